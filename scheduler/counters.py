@@ -1,0 +1,34 @@
+"""Monotone scheduler counters: rates are derived from them, never stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerCounters:
+    """Totals since the scheduler started; every field only grows.
+
+    ``prompt_tokens`` and ``cached_tokens`` are counted when a request is first admitted
+    (``cached_tokens`` = its prompt tokens served from the tree then), so
+    ``cached_tokens / prompt_tokens`` is the hit rate of the admitted requests.
+    ``computed_prefill_tokens`` counts every prefill token computed, recomputation after
+    preemption included.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    generated_tokens: int = 0
+    evicted_pages: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    steps: int = 0
+    # Waiting requests held back one step because a prefill in flight computes their prefix.
+    grouped_deferrals: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

@@ -1,0 +1,101 @@
+"""A scripted stand-in for the model, for scheduler tests (no torch).
+
+``ScriptedModel`` plays the KV pool: every slot it writes holds a content address of the
+token there and everything before it (a hash chain), and every page it reads must hold
+exactly the address the request's own tokens give. A page table that points at a freed,
+reused or wrong page therefore fails the test instead of silently reading garbage.
+Sampled tokens come from a per-request script, so outputs can be checked token by token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from radix import PageAllocator, RadixCache
+from scheduler import Batch, Request, Scheduler, SchedulerConfig
+
+VOCAB = 50_000
+STOP = 2
+
+
+def script_token(request_id: int | str, index: int) -> int:
+    """The ``index``-th token the model 'generates' for a request (never STOP)."""
+    return 10 + (hash((request_id, index)) % (VOCAB - 10))
+
+
+class ScriptedModel:
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.kv: dict[int, int] = {}  # slot -> content address written there
+        # Per request: index of its output at which it emits STOP (absent: never).
+        self.stop_at: dict[int | str, int] = {}
+        self.pages_read = 0
+
+    def script(self, request: Request, index: int) -> int:
+        if self.stop_at.get(request.id) == index:
+            return STOP
+        return script_token(request.id, index)
+
+    def step(self, batch: Batch) -> list[int]:
+        p = self.page_size
+        out = []
+        for entry in batch.entries:
+            request = entry.request
+            tokens = request.prompt + request.output
+            assert entry.kv_len <= len(tokens), "entry runs past the request's tokens"
+            assert entry.input_ids == tokens[entry.start_pos : entry.kv_len], "wrong input ids"
+            assert len(entry.pages) == -(-entry.kv_len // p), "page table of the wrong size"
+            for page in entry.pages:
+                assert not self.allocator.is_free(page), f"entry uses free page {page}"
+            address = 0
+            for pos in range(entry.kv_len):
+                address = hash((address, tokens[pos]))
+                slot = entry.pages[pos // p] * p + pos % p
+                if pos < entry.start_pos:
+                    assert self.kv.get(slot) == address, (
+                        f"request {request.id} reads position {pos} from slot {slot}, which holds "
+                        "other K/V (a freed or wrong page)"
+                    )
+                    self.pages_read += 1
+                else:
+                    assert entry.slots[pos - entry.start_pos] == slot, "slot != page table"
+                    self.kv[slot] = address
+            out.append(self.script(request, len(request.output)) if entry.sample else -1)
+        return out
+
+
+def make_scheduler(
+    num_pages: int, page_size: int = 4, **config: object
+) -> tuple[Scheduler, ScriptedModel, RadixCache, PageAllocator]:
+    cache = RadixCache(page_size)
+    allocator = PageAllocator(num_pages)
+    sched = Scheduler(cache, allocator, SchedulerConfig(page_size=page_size, **config))
+    return sched, ScriptedModel(allocator, page_size), cache, allocator
+
+
+def run_to_idle(
+    sched: Scheduler,
+    model: ScriptedModel,
+    max_steps: int = 100_000,
+    on_batch: Callable[[Batch], None] | None = None,
+    check: bool = True,
+) -> int:
+    """Step until nothing is left; returns the number of steps. Fails past ``max_steps``."""
+    steps = 0
+    while sched.has_work:
+        batch = sched.schedule()
+        assert batch is not None, "work left but nothing scheduled (deadlock)"
+        if on_batch is not None:
+            on_batch(batch)
+        sched.commit(batch, model.step(batch))
+        if check:
+            sched.check_integrity()
+        steps += 1
+        assert steps <= max_steps, f"not idle after {max_steps} steps"
+    return steps
+
+
+def assert_output_follows_script(model: ScriptedModel, request: Request) -> None:
+    expected = [model.script(request, i) for i in range(len(request.output))]
+    assert request.output == expected, f"request {request.id}: outputs out of order"

@@ -1,0 +1,129 @@
+"""Token-level synthetic traces for the cache-only simulator (no text, no tokenizer).
+
+The shapes are those of ``radix.bench`` (shared prefix, multi-turn chat, RAG, unique), plus
+open-loop arrivals in bursts. A trace is a list of sessions; a session is a closed loop of
+turns: turn k+1 is submitted once turn k has finished and its prompt carries turn k's actual
+reply (whatever the simulated model produced). Single-request workloads are one-turn
+sessions. Everything is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+VOCAB = 32_000
+
+
+class SimTurn(msgspec.Struct, frozen=True):
+    """A user message (token ids) and the reply length the simulated model generates."""
+
+    user: list[int]
+    max_new_tokens: int
+
+
+class SimSession(msgspec.Struct, frozen=True):
+    """``prefix`` (system prompt, document...) then turns; the first arrives at ``arrival``
+    (a simulator step), each later one as soon as the previous reply is complete."""
+
+    prefix: list[int]
+    turns: list[SimTurn]
+    arrival: int = 0
+    namespace: str | None = None
+
+
+class SimTrace(msgspec.Struct, frozen=True):
+    name: str
+    sessions: list[SimSession]
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+def _tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(0, VOCAB, size=n, dtype=np.int32).tolist()
+
+
+def shared_prefix(
+    seed: int = 0, groups: int = 16, per_group: int = 16, prefix: int = 2000, unique: int = 100,
+    reply: int = 32,
+) -> SimTrace:
+    """16 groups x 16 requests: a 2,000-token group prefix + 100 unique tokens, shuffled."""
+    rng = np.random.default_rng(seed)
+    prefixes = [_tokens(rng, prefix) for _ in range(groups)]
+    order = [g for g in range(groups) for _ in range(per_group)]
+    rng.shuffle(order)
+    sessions = [
+        SimSession(prefixes[g], [SimTurn(_tokens(rng, unique), reply)]) for g in order
+    ]
+    return SimTrace("shared-prefix", sessions)
+
+
+def multi_turn_chat(
+    seed: int = 1, conversations: int = 64, turns: int = 8, system: int = 200, user: int = 150,
+    reply: int = 100,
+) -> SimTrace:
+    """64 conversations x 8 turns on one 200-token system prompt: +150 user, +100 reply per
+    turn, closed loop (turn k+1 carries the reply to turn k)."""
+    rng = np.random.default_rng(seed)
+    system_tokens = _tokens(rng, system)
+    sessions = [
+        SimSession(system_tokens, [SimTurn(_tokens(rng, user), reply) for _ in range(turns)])
+        for _ in range(conversations)
+    ]
+    return SimTrace("multi-turn", sessions)
+
+
+def rag(
+    seed: int = 2, documents: int = 200, doc_tokens: int = 1000, requests: int = 2000,
+    zipf: float = 1.1, system: int = 100, question: int = 50, reply: int = 32,
+) -> SimTrace:
+    """system(100) + one of 200 1,000-token documents (Zipf 1.1 popularity) + question(50)."""
+    rng = np.random.default_rng(seed)
+    system_tokens = _tokens(rng, system)
+    docs = [_tokens(rng, doc_tokens) for _ in range(documents)]
+    weights = 1.0 / np.arange(1, documents + 1) ** zipf
+    picks = rng.choice(documents, size=requests, p=weights / weights.sum())
+    sessions = [
+        SimSession(system_tokens + docs[d], [SimTurn(_tokens(rng, question), reply)])
+        for d in picks
+    ]
+    return SimTrace("rag", sessions)
+
+
+def unique(seed: int = 3, requests: int = 500, prompt: int = 1000, reply: int = 32) -> SimTrace:
+    """500 random 1,000-token prompts: nothing to share."""
+    rng = np.random.default_rng(seed)
+    sessions = [SimSession([], [SimTurn(_tokens(rng, prompt), reply)]) for _ in range(requests)]
+    return SimTrace("unique", sessions)
+
+
+def bursts(
+    seed: int = 4, bursts: int = 50, per_burst: int = 200, every: int = 40, prefixes: int = 100,
+    prefix: int = 500, question: int = 50, reply: int = 16, zipf: float = 1.1,
+) -> SimTrace:
+    """10,000 requests arriving in 50 bursts of 200, one every 40 steps: a Zipf-popular
+    500-token prefix (100 of them) + a 50-token question."""
+    rng = np.random.default_rng(seed)
+    shared = [_tokens(rng, prefix) for _ in range(prefixes)]
+    weights = 1.0 / np.arange(1, prefixes + 1) ** zipf
+    sessions = []
+    for b in range(bursts):
+        picks = rng.choice(prefixes, size=per_burst, p=weights / weights.sum())
+        sessions.extend(
+            SimSession(shared[k], [SimTurn(_tokens(rng, question), reply)], arrival=b * every)
+            for k in picks
+        )
+    return SimTrace("bursts", sessions)
+
+
+TRACES: dict[str, Callable[[], SimTrace]] = {
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn_chat,
+    "rag": rag,
+    "unique": unique,
+    "bursts": bursts,
+}

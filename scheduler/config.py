@@ -22,6 +22,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Requests holding pages at once (prefilling or decoding).
     max_running: int = 64
     policy: str = "lpm"
+    # False: nothing is inserted into the tree and nothing is grouped, so no request ever
+    # reuses another's KV (the baseline benchmarks compare against).
+    prefix_cache: bool = True
     # In-batch grouping: a waiting request whose uncached prefix shares at least this many
     # tokens (rounded up to whole pages) with a prefill in flight waits for it and then hits.
     group_min_tokens: int = 32
@@ -48,6 +51,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"max_running: must be <= max_batch_tokens ({self.max_batch_tokens}) so every "
                 f"running request can decode in one step, got {self.max_running}"
             )
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache: must be a bool, got {self.prefix_cache!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not isinstance(self.group_min_tokens, int) or self.group_min_tokens < 0:

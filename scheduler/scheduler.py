@@ -330,7 +330,7 @@ class Scheduler:
                 self._queue.running_started(request)
         claims = PrefillClaims(p, cfg.group_min_pages)
         for request in self._running:
-            if request.is_prefilling:
+            if cfg.prefix_cache and request.is_prefilling:
                 claims.claim(_tokens(request), request.tree_len, self._anchor(request))
         matches = self._matches
         admitted_now: list[Request] = []
@@ -350,7 +350,7 @@ class Scheduler:
                 break  # the best candidate does not fit: wait rather than let others overtake
             committed = result
             admitted_now.append(request)
-            if request.state is RequestState.RUNNING and request.is_prefilling:
+            if cfg.prefix_cache and request.state is RequestState.RUNNING and request.is_prefilling:
                 claims.claim(tokens, request.tree_len, self._anchor(request))
         for request in admitted_now:
             if request.state is RequestState.RUNNING:
@@ -427,6 +427,8 @@ class Scheduler:
         The request's pages for tokens the tree already had are duplicates: they are freed and
         replaced by the tree's; its lock moves down to the new node.
         """
+        if not self._config.prefix_cache:
+            return  # nothing is shared: the request's pages stay private and are freed at the end
         p = self._page_size
         aligned = (request.num_computed // p) * p
         if aligned <= request.tree_len:

@@ -391,3 +391,28 @@ def test_schedule_twice_without_commit_is_refused_and_discard_recovers() -> None
         sched.commit(again, [])
     sched.commit(again, model.step(again))
     run_to_idle(sched, model)
+
+
+# ---------------------------------------------------------------------- cache off
+
+
+def test_with_the_prefix_cache_off_nothing_is_reused_or_kept() -> None:
+    rng = random.Random(7)
+    prefix = random_tokens(rng, 200)
+    sched, model, cache, allocator = make_scheduler(
+        200, 16, max_batch_tokens=512, max_running=8, prefix_cache=False
+    )
+    requests = [
+        Request(id=i, prompt=prefix + random_tokens(rng, 10), max_new_tokens=3) for i in range(4)
+    ]
+    sched.add(requests[0])
+    run_to_idle(sched, model)
+    for request in requests[1:]:
+        sched.add(request)
+    run_to_idle(sched, model)
+    assert all(r.cached_tokens == 0 for r in requests)
+    assert sched.counters.cached_tokens == 0
+    assert sched.counters.computed_prefill_tokens == sum(len(r.prompt) for r in requests)
+    assert sched.counters.grouped_deferrals == 0
+    assert cache.cached_pages == 0
+    assert allocator.num_free == allocator.num_pages

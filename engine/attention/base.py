@@ -1,0 +1,36 @@
+"""The attention backend interface: plan once per forward pass, run once per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.kv_pool import KVPool
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a ragged batch.
+
+    ``plan`` turns a ForwardBatch into whatever index/mask state the kernels need, once per
+    forward pass; ``run`` is called per layer with that layer's new q/k/v, writes k/v into the
+    pool at ``forward_batch.slots`` and returns the attention output for the new tokens.
+    """
+
+    name: str = "base"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = device
+
+    @abstractmethod
+    def plan(self, forward_batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def run(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+    ) -> torch.Tensor:
+        """q ``[T, num_heads, head_dim]``, k/v ``[T, num_kv_heads, head_dim]`` -> ``[T, num_heads, head_dim]``."""

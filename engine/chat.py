@@ -1,0 +1,153 @@
+"""Multi-turn chat sessions whose every turn reuses the KV of the conversation so far.
+
+The prompt of turn k+1 is built as token ids: exactly the tokens of turn k's prompt and reply
+(the reply as the model generated it, end-of-turn token included), followed by the tokens of
+the text the chat template adds after them (end of the reply if it was cut, the new user
+message, the assistant header). Re-tokenising the whole rendered conversation instead could
+split the reply differently from how the model generated it, and every token after the first
+difference would miss the cache. The text is the template's either way.
+
+When the rendered conversation does not start with the decoded previous tokens (a reply cut
+at a stop string, special tokens inside a reply), the longest prefix of the previous tokens
+that does is kept; ``last_dropped_tokens`` says how many were not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from engine.outputs import RequestOutput
+from engine.prompts import encode_text, render_messages
+from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+
+def continue_tokens(
+    tokenizer: Any, previous_ids: Sequence[int], full_text: str
+) -> tuple[list[int], int]:
+    """Token ids of ``full_text`` that start with as many of ``previous_ids`` as possible.
+
+    Returns (ids, reused): ``ids[:reused] == previous_ids[:reused]``.
+    """
+    previous = list(previous_ids)
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    keep = len(previous)
+    if not full_text.startswith(decode(previous)):
+        # Binary search for the longest prefix of the previous tokens whose text is a prefix.
+        lo, hi = 0, len(previous) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if full_text.startswith(decode(previous[:mid])):
+                lo = mid
+            else:
+                hi = mid - 1
+        keep = lo
+    rest = full_text[len(decode(previous[:keep])) :]
+    tail = encode_text(tokenizer, rest, add_special_tokens=False) if rest else []
+    return previous[:keep] + tail, keep
+
+
+class ChatSession:
+    """A conversation with the engine's model. Not thread-safe: one turn at a time.
+
+    ``send(text)`` returns the reply; ``stream(text)`` yields its text deltas and then the
+    RequestOutput (``last_output`` too). A turn that is aborted or fails leaves the history
+    as it was. ``fork()`` branches the conversation: both sessions share the KV of the common
+    history through the prefix cache.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        system: str | None = None,
+        params: SamplingParams | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"system: expected str or None, got {type(system).__name__}")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        self._engine = engine
+        self._params = params
+        self._namespace = namespace
+        self._messages: list[dict[str, str]] = (
+            [{"role": "system", "content": system}] if system is not None else []
+        )
+        self._conversation_ids: list[int] = []  # last turn's prompt + reply tokens
+        self.last_output: RequestOutput | None = None
+        self.last_dropped_tokens = 0  # previous tokens not reused verbatim by the last turn
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation so far (a copy)."""
+        return [dict(m) for m in self._messages]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + reply tokens of the last turn: the prefix the next turn starts with."""
+        return list(self._conversation_ids)
+
+    def send(self, text: str, params: SamplingParams | None = None) -> str:
+        """Sends one user message; returns the assistant's reply text."""
+        messages, prepared = self._prepare_turn(text, params)
+        [output] = self._engine._generate_prepared([prepared], self._namespace)
+        self._record(messages, prepared.token_ids, output)
+        return output.text
+
+    def stream(
+        self, text: str, params: SamplingParams | None = None
+    ) -> Iterator[str | RequestOutput]:
+        """Like ``Engine.stream``: text deltas, then the RequestOutput; closing early aborts."""
+        messages, prepared = self._prepare_turn(text, params)
+        events = self._engine._stream_prepared(prepared, self._namespace)
+
+        def turn() -> Iterator[str | RequestOutput]:
+            try:
+                for item in events:
+                    if isinstance(item, RequestOutput):
+                        self._record(messages, prepared.token_ids, item)
+                    yield item
+            finally:
+                events.close()
+
+        return turn()
+
+    def fork(self) -> ChatSession:
+        """An independent copy of this session (same history, params and namespace)."""
+        twin = ChatSession(self._engine, params=self._params, namespace=self._namespace)
+        twin._messages = self.messages
+        twin._conversation_ids = list(self._conversation_ids)
+        twin.last_output = self.last_output
+        twin.last_dropped_tokens = self.last_dropped_tokens
+        return twin
+
+    def _prepare_turn(self, text: str, params: SamplingParams | None) -> tuple[list, Any]:
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected str, got {type(text).__name__}")
+        if not text:
+            raise ValueError("text: empty message")
+        messages = [*self.messages, {"role": "user", "content": text}]
+        tokenizer = self._engine.tokenizer
+        full_text = render_messages(tokenizer, messages, "text")
+        ids, reused = continue_tokens(tokenizer, self._conversation_ids, full_text)
+        self.last_dropped_tokens = len(self._conversation_ids) - reused
+        [prepared] = self._engine._prepare(
+            [ids], params if params is not None else self._params, self._namespace
+        )
+        return messages, prepared
+
+    def _record(self, messages: list[dict[str, str]], prompt_ids: list[int],
+                output: RequestOutput) -> None:
+        if output.finish_reason == "abort":
+            return
+        self._messages = [*messages, {"role": "assistant", "content": output.text}]
+        self._conversation_ids = list(prompt_ids) + list(output.token_ids)
+        self.last_output = output

@@ -1,0 +1,137 @@
+"""Incremental detokenisation with stop strings.
+
+Decoding one token at a time is wrong in two ways: a multi-byte UTF-8 character may be split
+across tokens (byte-level BPE), and some tokens only decode correctly next to their neighbours
+(SentencePiece drops the leading space of a sequence's first word piece). So each step decodes a
+short window that starts one step back, and emits only the part of the window's text that is
+new; text that ends in an incomplete character is held until the character is complete.
+
+Stop strings are matched on the decoded text. Text that could still turn into a stop string is
+held back, so a stream never shows a stop string, nor a piece of one that later completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+# A UTF-8 character has at most 4 bytes, so a byte-level tokenizer never needs more than 4
+# tokens to complete one; past that, a trailing replacement character is real and is emitted.
+_MAX_PENDING_TOKENS = 4
+# Prompt tokens used as left context for the first generated tokens.
+_PROMPT_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas; stops at the first stop string.
+
+    ``push(token_id)`` returns the new visible text (possibly ""). ``finish()`` flushes what
+    was held back. ``text`` is everything visible so far; once ``stopped`` is True the text is
+    final (it ends just before the stop string) and further tokens are ignored.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: Sequence[str] = (),
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stop = tuple(s for s in stop if s)
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
+        # Window: ids[_anchor:] is decoded each step; ids[_anchor:_read] was decoded (and its
+        # new text emitted) in earlier steps and spans _anchor_chars characters.
+        self._ids: list[int] = context
+        self._anchor = 0
+        self._read = len(context)
+        self._anchor_chars = len(self._decode(context))
+        self._raw = ""  # decoded text of every generated token so far (complete characters)
+        self._visible = 0  # characters of _raw handed out
+        self.stopped = False
+        self.stop_string: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self._raw[: self._visible]
+
+    def push(self, token_id: int) -> str:
+        """Adds one generated token; returns the newly visible text."""
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        window = self._decode(self._ids[self._anchor :])
+        pending = len(self._ids) - self._read
+        if window.endswith(REPLACEMENT_CHAR) and pending < _MAX_PENDING_TOKENS:
+            return ""  # an incomplete multi-byte character: wait for its remaining bytes
+        return self._append(self._advance(window))
+
+    def finish(self) -> str:
+        """Flushes held-back text at the end of the request; returns it."""
+        if self.stopped:
+            return ""
+        if self._read < len(self._ids):
+            window = self._decode(self._ids[self._anchor :])
+            self._append(self._advance(window))
+        return self._take(len(self._raw))
+
+    def _advance(self, window: str) -> str:
+        piece = window[self._anchor_chars :]
+        self._anchor, self._read = self._read, len(self._ids)
+        self._anchor_chars = len(self._decode(self._ids[self._anchor : self._read]))
+        # Keep the id list short: only the window is ever decoded again.
+        if self._anchor > 64:
+            del self._ids[: self._anchor]
+            self._read -= self._anchor
+            self._anchor = 0
+        return piece
+
+    def _append(self, piece: str) -> str:
+        start = len(self._raw)
+        self._raw += piece
+        if not self._stop:
+            return self._take(len(self._raw))
+        hit = self._find_stop(start)
+        if hit is not None:
+            self._raw = self._raw[:hit]
+            self.stopped = True
+            return self._take(hit)
+        return self._take(len(self._raw) - self._held_back())
+
+    def _find_stop(self, new_from: int) -> int | None:
+        """Start of the earliest stop string that overlaps text from ``new_from`` on."""
+        search_from = max(0, new_from - self._max_stop_len + 1)
+        best: int | None = None
+        for stop in self._stop:
+            at = self._raw.find(stop, search_from)
+            if at >= 0 and (best is None or at < best):
+                best = at
+                self.stop_string = stop
+        return best
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        tail_limit = min(len(self._raw), self._max_stop_len - 1)
+        for size in range(tail_limit, 0, -1):
+            tail = self._raw[-size:]
+            if any(stop.startswith(tail) for stop in self._stop):
+                return size
+        return 0
+
+    def _take(self, upto: int) -> str:
+        upto = max(upto, self._visible)
+        delta = self._raw[self._visible : upto]
+        self._visible = upto
+        return delta
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(
+            list(ids),
+            skip_special_tokens=self._skip_special,
+            clean_up_tokenization_spaces=False,
+        )

@@ -1,0 +1,530 @@
+"""The public Engine: prompts in, RequestOutputs out, from any thread or event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import weakref
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.attention import BACKENDS
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import EngineDeadError
+from engine.events import AsyncSink, Delta, Done, Event, Failed, Sink, ThreadSink
+from engine.kv_pool import KVPool
+from engine.loader import LoadedModel, load_model
+from engine.loop import EngineLoop, RequestContext, RequestHook
+from engine.outputs import RequestOutput
+from engine.prompts import encode_prompt, encode_text, split_prompts
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.stats import EngineStats
+from engine.validation import check_fits, check_namespace, check_params, check_token_ids
+from radix import PageAllocator, RadixCache
+from scheduler import Request, Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from engine.chat import ChatSession
+
+# Default KV budget on the CPU: 1 GiB (about 23k tokens of SmolLM2-135M in float32), or an
+# eighth of the machine's memory when that is smaller. On CUDA: a share of the free memory
+# after the weights are loaded.
+CPU_KV_BYTES = 1 << 30
+CUDA_KV_FRACTION = 0.7
+
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated prompt, ready to become a Request."""
+
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class Engine:
+    """A prefix-caching inference engine over one model.
+
+    A background thread runs the model; every method here may be called from any thread
+    (``generate``, ``stream``) or event loop (``agenerate``, ``astream``) concurrently.
+    Requests sharing a prefix share its KV: ``RequestOutput.cached_tokens`` says how much of a
+    prompt was served from the cache.
+
+    ``model``: None (the bundled SmolLM2-135M-Instruct), a HF Llama-family checkpoint directory
+    or a .gguf file; or (advanced) an already loaded ``engine.loader.LoadedModel``, which is
+    then shared, not copied (``device``/``dtype`` are the loaded model's). The KV cache holds
+    ``num_pages`` pages of ``page_size`` tokens, or as many as fit in ``kv_cache_bytes``.
+    ``prefix_cache=False`` reuses nothing across requests (the baseline for benchmarks).
+    Further keyword arguments are other ``scheduler.SchedulerConfig`` fields (advanced tuning:
+    ``group_min_tokens``, ``reserve_ratio_init``, ...).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | LoadedModel | None = None,
+        device: str = "auto",
+        dtype: str | torch.dtype | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_batch_tokens: int | None = None,
+        max_running: int | None = None,
+        policy: str = "lpm",
+        prefix_cache: bool = True,
+        backend: str = "auto",
+        **scheduler_options: Any,
+    ) -> None:
+        # Every argument is checked before the (slow) model load.
+        _check_engine_args(page_size, num_pages, kv_cache_bytes, prefix_cache)
+        sched_config = _scheduler_config(
+            page_size, policy, max_batch_tokens, max_running,
+            {**scheduler_options, "prefix_cache": prefix_cache},
+        )
+        _check_backend(backend)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+        self._tokenizer = loaded.tokenizer
+        self._config = loaded.config
+        self._device = loaded.device
+        self._dtype = loaded.dtype
+        self._prefix_cache = prefix_cache
+        pages = _pool_pages(loaded, page_size, num_pages, kv_cache_bytes)
+        cfg = loaded.config
+        pool = KVPool(
+            cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+            loaded.dtype, loaded.device,
+        )
+        runner = ModelRunner(loaded, pool, backend=_resolve_backend(backend, loaded.device))
+        cache = RadixCache(page_size)
+        allocator = PageAllocator(pages)
+        scheduler = Scheduler(cache, allocator, sched_config)
+        self._page_size = page_size
+        self._num_pages = pages
+        self._request_ids = itertools.count()
+        self._loop = EngineLoop(scheduler, runner, cache, allocator)
+        # Closes the loop (and frees the pool) if the engine is dropped without close().
+        self._finalizer = weakref.finalize(self, self._loop.close)
+
+    # ------------------------------------------------------------------------------ properties
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self._config
+
+    @property
+    def max_context(self) -> int:
+        """Prompt + generated tokens one request may hold (the model's context)."""
+        return int(self._config.max_position_embeddings)
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    # ------------------------------------------------------------------------------ generation
+
+    def generate(
+        self, prompts: Any, params: ParamsArg = None, namespace: str | None = None
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns their outputs in input order (always a list).
+
+        ``prompts``: a str, a list of token ids, a conversation ``[{"role", "content"}, ...]``
+        (rendered with the chat template), or a list mixing those. ``params``: one
+        SamplingParams for all, or one per prompt. If a request fails, the others still run
+        to completion and then the first error is raised.
+        """
+        prepared = self._prepare(prompts, params, namespace)
+        return self._generate_prepared(prepared, namespace)
+
+    def stream(
+        self, prompt: Any, params: SamplingParams | None = None, namespace: str | None = None
+    ) -> Iterator[str | RequestOutput]:
+        """Yields text deltas (str) as they are generated, then the final RequestOutput.
+
+        The deltas concatenate to ``RequestOutput.text``. The request is submitted on the first
+        ``next()``; closing the generator before the end (``break`` in a for loop, ``close()``)
+        aborts it and frees its pages.
+        """
+        [prepared] = self._prepare(prompt, params, namespace, single=True)
+        return self._stream_prepared(prepared, namespace)
+
+    async def agenerate(
+        self, prompts: Any, params: ParamsArg = None, namespace: str | None = None
+    ) -> list[RequestOutput]:
+        """``generate`` for asyncio: awaits without blocking the event loop. Cancelling the
+        awaiting task aborts the requests."""
+        prepared = self._prepare(prompts, params, namespace)
+        sink = _MultiAsyncWait(asyncio.get_running_loop())
+        requests = [self._submit(item, namespace, sink.sink(i)) for i, item in enumerate(prepared)]
+        events: list[Event] = []
+        try:
+            events = await sink.wait_all(len(requests))
+        finally:
+            if len(events) < len(requests):  # cancelled: abort what has not finished
+                self._abort_unfinished(requests, {requests[i].id for i in sink.finished})
+        return _outputs_or_raise(events)
+
+    async def astream(
+        self, prompt: Any, params: SamplingParams | None = None, namespace: str | None = None
+    ) -> AsyncIterator[str | RequestOutput]:
+        """``stream`` for asyncio: ``async for`` yields text deltas, then the RequestOutput.
+        Cancelling the consuming task or ``aclose()`` aborts the request."""
+        [prepared] = self._prepare(prompt, params, namespace, single=True)
+        sink = AsyncSink(asyncio.get_running_loop())
+        request = self._submit(prepared, namespace, sink, stream=True)
+        finished = False
+        try:
+            while True:
+                event = await sink.get()
+                if isinstance(event, Delta):
+                    yield event.text
+                    continue
+                finished = True
+                yield _output_or_raise(event)
+                return
+        finally:
+            if not finished:
+                self._loop.abort(request.id)
+
+    def fork(
+        self,
+        prefix: str | Sequence[int],
+        suffixes: Sequence[str | Sequence[int]],
+        params: ParamsArg = None,
+        namespace: str | None = None,
+    ) -> list[RequestOutput]:
+        """Continues one prefix with each suffix; the prefix's KV is computed once and shared.
+
+        The prefix and each suffix are tokenised separately and concatenated as token ids, so
+        every request starts with exactly the prefix's tokens. All requests are submitted
+        together; the scheduler runs the first prefill and holds back the others until the
+        prefix is cached, then they hit it.
+        """
+        vocab = self._config.vocab_size
+        if isinstance(prefix, str):
+            if not prefix:
+                raise ValueError("prefix: empty prefix; it needs at least one token")
+            prefix_ids = check_token_ids(encode_text(self._tokenizer, prefix), vocab, "prefix")
+        else:
+            prefix_ids = encode_prompt(self._tokenizer, prefix, vocab, "prefix")
+        if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
+            raise ValueError("suffixes: expected a list of str or token-id lists")
+        if len(suffixes) == 0:
+            raise ValueError("suffixes: empty list; expected at least one suffix")
+        prompts: list[list[int]] = []
+        for i, suffix in enumerate(suffixes):
+            if isinstance(suffix, str):
+                ids = encode_text(self._tokenizer, suffix, add_special_tokens=False)
+            elif isinstance(suffix, Sequence):
+                ids = check_token_ids(suffix, vocab, f"suffixes[{i}]") if len(suffix) else []
+            else:
+                raise ValueError(
+                    f"suffixes[{i}]: expected str or token ids, got {type(suffix).__name__}"
+                )
+            prompts.append(prefix_ids + ids)
+        prepared = self._prepare(prompts, params, namespace)
+        return self._generate_prepared(prepared, namespace)
+
+    def chat(
+        self,
+        system: str | None = None,
+        params: SamplingParams | None = None,
+        namespace: str | None = None,
+    ) -> ChatSession:
+        """A multi-turn chat session; each turn reuses the KV of the conversation so far."""
+        from engine.chat import ChatSession
+
+        return ChatSession(self, system=system, params=params, namespace=namespace)
+
+    # ------------------------------------------------------------------------- state, shutdown
+
+    def stats(self) -> EngineStats:
+        """Monotone counters (requests, prompt/cached/computed/generated tokens, evicted pages,
+        preemptions), the hit rate derived from them, and the current page accounting."""
+        return self._loop.stats()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Blocks until no request is queued or running (and the page accounting was checked);
+        False on timeout."""
+        return self._loop.wait_idle(timeout)
+
+    def close(self) -> None:
+        """Aborts what is in flight, stops the loop thread and frees the KV cache."""
+        self._finalizer()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------- internal
+
+    def _prepare(
+        self, prompts: Any, params: Any, namespace: Any, single: bool = False
+    ) -> list[_Prepared]:
+        """Tokenises and validates everything before anything is queued."""
+        if self.closed:
+            raise EngineDeadError("the engine is closed")
+        check_namespace(namespace)
+        items = split_prompts(prompts)
+        if single and len(items) != 1:
+            raise ValueError(f"prompt: expected one prompt, got a list of {len(items)}")
+        vocab = self._config.vocab_size
+        params_list = check_params(params, len(items), vocab)
+        pool_tokens = self._num_pages * self._page_size
+        prepared = []
+        for i, (item, p) in enumerate(zip(items, params_list)):
+            field = "prompt" if len(items) == 1 else f"prompts[{i}]"
+            ids = encode_prompt(self._tokenizer, item, vocab, field)
+            check_fits(len(ids), p.max_new_tokens, self.max_context, pool_tokens, field)
+            prepared.append(_Prepared(ids, p))
+        return prepared
+
+    def _submit(
+        self,
+        prepared: _Prepared,
+        namespace: str | None,
+        sink: Sink,
+        stream: bool = False,
+        hook: RequestHook | None = None,
+    ) -> Request:
+        request_id = next(self._request_ids)
+        params = prepared.params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self._config.eos_token_ids)
+        context = RequestContext(
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                self._tokenizer, stop=params.stop, prompt_ids=prepared.token_ids
+            ),
+            sink=sink,
+            prompt_tokens=len(prepared.token_ids),
+            stream=stream,
+            hook=hook,
+        )
+        request = Request(
+            id=request_id,
+            prompt=list(prepared.token_ids),
+            max_new_tokens=params.max_new_tokens,
+            namespace=namespace,
+            stop_token_ids=frozenset(stop_ids),
+            data=context,
+        )
+        self._loop.submit(request)
+        return request
+
+    def _generate_prepared(
+        self, prepared: list[_Prepared], namespace: str | None, hook: RequestHook | None = None
+    ) -> list[RequestOutput]:
+        sinks = [ThreadSink() for _ in prepared]
+        requests: list[Request] = []
+        events: list[Event] = []
+        try:
+            for item, sink in zip(prepared, sinks):
+                requests.append(self._submit(item, namespace, sink, hook=hook))
+            for sink in sinks:
+                events.append(_final_event(sink))
+        finally:
+            if len(events) < len(requests):  # interrupted (KeyboardInterrupt) or submit failed
+                self._abort_unfinished(requests[len(events) :], set())
+        return _outputs_or_raise(events)
+
+    def _stream_prepared(
+        self, prepared: _Prepared, namespace: str | None, hook: RequestHook | None = None
+    ) -> Iterator[str | RequestOutput]:
+        sink = ThreadSink()
+        request = self._submit(prepared, namespace, sink, stream=True, hook=hook)
+        finished = False
+        try:
+            while True:
+                event = sink.get()
+                if isinstance(event, Delta):
+                    yield event.text
+                    continue
+                finished = True
+                yield _output_or_raise(event)
+                return
+        finally:
+            if not finished:
+                self._loop.abort(request.id)
+
+    def _abort_unfinished(self, requests: Sequence[Request], finished: set[int]) -> None:
+        for request in requests:
+            if request.id not in finished:
+                self._loop.abort(request.id)
+
+
+class _MultiAsyncWait:
+    """Final events of many requests, delivered into one asyncio queue as (index, event)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.finished: set[int] = set()  # indices whose final event arrived
+
+    def sink(self, index: int) -> Sink:
+        return _IndexedAsyncSink(self._loop, self._queue, index)
+
+    async def wait_all(self, count: int) -> list[Event]:
+        events: list[Event | None] = [None] * count
+        received = 0
+        while received < count:
+            index, event = await self._queue.get()
+            if isinstance(event, Delta):
+                continue
+            events[index] = event
+            self.finished.add(index)
+            received += 1
+        return [e for e in events if e is not None]
+
+
+class _IndexedAsyncSink:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, Event]], index: int
+    ) -> None:
+        self._loop = loop
+        self._queue = queue
+        self._index = index
+
+    def put(self, event: Event) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (self._index, event))
+
+
+def _final_event(sink: ThreadSink) -> Event:
+    while True:
+        event = sink.get()
+        if not isinstance(event, Delta):
+            return event
+
+
+def _output_or_raise(event: Event) -> RequestOutput:
+    if isinstance(event, Done):
+        return event.output
+    assert isinstance(event, Failed)
+    error = event.error
+    if isinstance(error, EngineDeadError):
+        # One instance reaches many waiters: raise a fresh one each, same message and cause.
+        raise EngineDeadError(str(error)) from error.__cause__
+    raise error
+
+
+def _outputs_or_raise(events: Sequence[Event]) -> list[RequestOutput]:
+    for event in events:
+        if isinstance(event, Failed):
+            _output_or_raise(event)
+    return [_output_or_raise(e) for e in events]
+
+
+def _check_engine_args(
+    page_size: Any, num_pages: Any, kv_cache_bytes: Any, prefix_cache: Any
+) -> None:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size: must be an int >= 1, got {page_size!r}")
+    if num_pages is not None and kv_cache_bytes is not None:
+        raise ValueError("num_pages, kv_cache_bytes: give at most one of them")
+    if num_pages is not None and (
+        not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1
+    ):
+        raise ValueError(f"num_pages: must be an int >= 1, got {num_pages!r}")
+    if kv_cache_bytes is not None and (
+        not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool)
+        or kv_cache_bytes < 1
+    ):
+        raise ValueError(f"kv_cache_bytes: must be an int >= 1, got {kv_cache_bytes!r}")
+    if not isinstance(prefix_cache, bool):
+        raise ValueError(f"prefix_cache: must be a bool, got {prefix_cache!r}")
+
+
+def _scheduler_config(
+    page_size: int,
+    policy: str,
+    max_batch_tokens: int | None,
+    max_running: int | None,
+    options: dict[str, Any],
+) -> SchedulerConfig:
+    args: dict[str, Any] = {"page_size": page_size, "policy": policy, **options}
+    if max_batch_tokens is not None:
+        args["max_batch_tokens"] = max_batch_tokens
+    if max_running is not None:
+        args["max_running"] = max_running
+    known = set(SchedulerConfig.__struct_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"{unknown[0]}: not an Engine or SchedulerConfig option; "
+            f"scheduler options: {', '.join(sorted(known))}"
+        )
+    return SchedulerConfig(**args)
+
+
+def _pool_pages(
+    loaded: LoadedModel, page_size: int, num_pages: int | None, kv_cache_bytes: int | None
+) -> int:
+    if num_pages is not None:
+        return num_pages
+    cfg = loaded.config
+    if kv_cache_bytes is None:
+        if loaded.device.type == "cuda":
+            kv_cache_bytes = KVPool.cuda_budget_bytes(CUDA_KV_FRACTION, loaded.device)
+        else:
+            kv_cache_bytes = min(CPU_KV_BYTES, _machine_memory_bytes() // 8)
+    pages = KVPool.pages_for_bytes(
+        kv_cache_bytes, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+    )
+    if pages < 1:
+        per_page = KVPool.bytes_per_page(
+            cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+        )
+        raise ValueError(
+            f"kv_cache_bytes: {kv_cache_bytes} is less than one page ({per_page} bytes)"
+        )
+    return pages
+
+
+def _machine_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def _check_backend(backend: str) -> None:
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend: unknown {backend!r}; available: auto, {', '.join(BACKENDS)}")
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto": FlashInfer on CUDA when that backend is available, the torch one otherwise."""
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and "flashinfer" in BACKENDS:
+        return "flashinfer"
+    return "torch"

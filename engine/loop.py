@@ -1,0 +1,332 @@
+"""The engine loop: one background thread owns the scheduler and the model runner.
+
+Callers (any thread, any event loop) never touch the scheduler: they post commands (add a
+request, abort one) to an inbox and wait on their request's sink. The loop thread drains the
+inbox, runs ``schedule -> runner.step -> commit``, detokenises, and delivers deltas and final
+outputs; with nothing to do it checks the page accounting once and sleeps on a condition.
+
+Failure is contained at the smallest scope that is still safe:
+- processing one request raises (detokeniser, hook, a gone event loop): that request is aborted
+  in the scheduler and its caller gets the error; the others go on;
+- the forward pass raises: the requests of that batch fail with the error and are aborted;
+  after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed passes in a row the model is considered
+  broken and the loop dies;
+- the scheduler raises (or the idle integrity check fails): its state cannot be trusted, so
+  the loop dies, every waiting caller gets an EngineDeadError at once, and later calls raise it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import EngineDeadError
+from engine.events import Delta, Done, Event, Failed, Sink
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from engine.stats import EngineStats, snapshot
+from scheduler import Batch, Request, RequestState
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+# A callable run on the loop thread after each token of one request (tests inject failures).
+RequestHook = Callable[[Request], None]
+
+
+class RequestNotAdmittedError(RuntimeError):
+    """The scheduler cannot admit a request even with nothing else running."""
+
+
+@dataclass(eq=False)
+class RequestContext:
+    """What the engine keeps per request (``Request.data``; the scheduler never reads it)."""
+
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    sink: Sink
+    prompt_tokens: int
+    stream: bool  # deliver text deltas, not only the final output
+    hook: RequestHook | None = None
+
+
+class EngineLoop:
+    """Runs the scheduler and the model on one daemon thread; see the module docstring."""
+
+    def __init__(self, scheduler: Any, runner: Any, cache: Any, allocator: Any) -> None:
+        self._scheduler = scheduler
+        self._runner = runner
+        self._cache = cache
+        self._allocator = allocator
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._closing = False
+        self._dead: BaseException | None = None  # set once; the loop has stopped
+        self._idle = threading.Event()
+        self._idle.set()  # nothing queued yet
+        # Loop-thread state.
+        self._live: dict[Any, Request] = {}
+        self._outbox: list[tuple[Request, Event]] = []
+        self._failed = 0
+        self._step_failures = 0
+        self._stats: EngineStats = snapshot(scheduler, cache, allocator, 0)
+        self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- caller side (any thread)
+
+    def submit(self, request: Request) -> None:
+        """Queues a request whose ``data`` is a RequestContext; raises if the loop has stopped."""
+        with self._lock:
+            self._raise_if_stopped()
+            self._idle.clear()
+            self._inbox.append(("add", request))
+            self._wake.notify()
+
+    def abort(self, request_id: Any) -> None:
+        """Aborts a request wherever it is; its caller gets finish_reason "abort". No-op when
+        the request is already finished or the loop has stopped."""
+        with self._lock:
+            if self._dead is not None or self._closing:
+                return
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
+
+    def stats(self) -> EngineStats:
+        """The snapshot published by the loop after its latest step (consistent, never torn)."""
+        return self._stats
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Blocks until nothing is queued or running and the idle integrity check has passed.
+
+        Returns False on timeout; raises EngineDeadError if the loop has stopped.
+        """
+        reached = self._idle.wait(timeout)
+        with self._lock:
+            self._raise_if_stopped()
+        return reached
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Aborts everything in flight, stops the thread and waits for it."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._runner = None  # drops the model runner and its KV pool
+
+    def _raise_if_stopped(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}") from self._dead
+        if self._closing:
+            raise EngineDeadError("the engine is closed")
+
+    # ------------------------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # every waiter must hear of any death
+            self._die(exc)
+
+    def _serve(self) -> None:
+        idle_checked = True
+        while True:
+            commands, closing = self._take_commands(wait=idle_checked and not self._has_work())
+            if closing:
+                self._shut_down()
+                return
+            for kind, payload in commands:
+                if kind == "add":
+                    self._add(payload)
+                else:
+                    self._abort(payload)
+            if not self._has_work():
+                if not idle_checked:
+                    self._scheduler.check_integrity()
+                    idle_checked = True
+                self._publish()
+                self._mark_idle_if_quiet()
+                continue
+            idle_checked = False
+            batch = self._scheduler.schedule()
+            if batch is None:
+                self._on_nothing_scheduled()
+            else:
+                self._step(batch)
+            self._publish()
+
+    def _has_work(self) -> bool:
+        return bool(self._scheduler.has_work)
+
+    def _take_commands(self, wait: bool) -> tuple[list[tuple[str, Any]], bool]:
+        with self._lock:
+            while wait and not self._inbox and not self._closing:
+                self._wake.wait()
+            commands = list(self._inbox)
+            self._inbox.clear()
+            return commands, self._closing
+
+    def _mark_idle_if_quiet(self) -> None:
+        with self._lock:
+            if not self._inbox and not self._has_work():
+                self._idle.set()
+
+    def _add(self, request: Request) -> None:
+        self._live[request.id] = request
+        try:
+            self._scheduler.add(request)
+        except ValueError as exc:  # the scheduler refused this request alone
+            self._live.pop(request.id, None)
+            self._failed += 1
+            self._outbox.append((request, Failed(exc)))
+
+    def _abort(self, request_id: Any) -> None:
+        request = self._live.get(request_id)
+        if request is None:
+            return  # finished (or failed) before the abort arrived
+        self._scheduler.abort(request_id)
+        self._complete(request, "abort")
+
+    def _on_nothing_scheduled(self) -> None:
+        if self._scheduler.num_running == 0:
+            # Waiting requests that cannot be admitted with nothing else running never will be.
+            stuck = [r for r in self._live.values() if r.state == RequestState.WAITING]
+            for request in stuck:
+                error = RequestNotAdmittedError(
+                    f"request {request.id!r} ({len(request.prompt)} prompt tokens + "
+                    f"max_new_tokens {request.max_new_tokens}) cannot be admitted: "
+                    "the KV cache is too small for it"
+                )
+                self._fail(request, error)
+            if stuck:
+                return
+        with self._lock:  # nothing runnable right now: do not spin
+            if not self._inbox and not self._closing:
+                self._wake.wait(0.001)
+
+    def _step(self, batch: Batch) -> None:
+        params = [entry.request.data.params for entry in batch.entries]
+        try:
+            next_tokens = self._runner.step(batch, params)
+        except Exception as exc:
+            self._step_failures += 1
+            if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            self._scheduler.discard(batch)
+            for entry in batch.entries:
+                if entry.request.id in self._live:
+                    self._fail(entry.request, exc)
+            return
+        self._step_failures = 0
+        finished = self._scheduler.commit(batch, next_tokens)
+        for entry in batch.entries:
+            request = entry.request
+            if entry.sample and request.id in self._live:
+                try:
+                    self._on_token(request)
+                except Exception as exc:
+                    self._fail(request, exc)
+        for request in finished:  # finished without a sampled entry: deliver all the same
+            if request.id in self._live:
+                self._complete(request, request.finish_reason or "stop")
+
+    def _on_token(self, request: Request) -> None:
+        """The new last token of ``request``: text, stop strings, delivery."""
+        context: RequestContext = request.data
+        if context.hook is not None:
+            context.hook(request)
+        detok = context.detokenizer
+        token = request.output[-1]
+        ended_on_stop_token = (
+            request.state == RequestState.FINISHED
+            and request.finish_reason == "stop"
+            and token in request.stop_token_ids
+        )
+        delta = "" if ended_on_stop_token else detok.push(token)
+        if detok.stopped and not request.is_done:
+            self._scheduler.finish(request.id, "stop")
+        if request.is_done:
+            delta += detok.finish()
+        if delta and context.stream:
+            self._outbox.append((request, Delta(delta)))
+        if request.is_done:
+            self._complete(request, "stop" if detok.stopped else request.finish_reason or "stop")
+
+    def _complete(self, request: Request, finish_reason: str) -> None:
+        self._live.pop(request.id, None)
+        context: RequestContext = request.data
+        now = time.monotonic()
+        first = request.first_token_time
+        end = request.finish_time if request.finish_time is not None else now
+        output = RequestOutput(
+            text=context.detokenizer.text,
+            token_ids=list(request.output),
+            finish_reason=finish_reason,
+            prompt_tokens=context.prompt_tokens,
+            cached_tokens=int(request.cached_tokens),
+            ttft_s=None if first is None else first - request.arrival_time,
+            latency_s=end - request.arrival_time,
+        )
+        self._outbox.append((request, Done(output)))
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        """Aborts one request in the scheduler and hands its caller the error."""
+        self._live.pop(request.id, None)
+        if not request.is_done:
+            self._scheduler.abort(request.id)
+        self._failed += 1
+        self._outbox.append((request, Failed(error)))
+
+    def _publish(self) -> None:
+        """Publishes stats, then delivers this iteration's events (so a caller that got its
+        output sees stats that include it)."""
+        self._stats = snapshot(self._scheduler, self._cache, self._allocator, self._failed)
+        while self._outbox:
+            outbox, self._outbox = self._outbox, []
+            for request, event in outbox:
+                try:
+                    request.data.sink.put(event)
+                except Exception as exc:  # e.g. the caller's event loop is closed
+                    if request.id in self._live:
+                        self._fail(request, exc)
+            if self._outbox:
+                self._stats = snapshot(self._scheduler, self._cache, self._allocator, self._failed)
+
+    def _shut_down(self) -> None:
+        for request in list(self._live.values()):
+            self._scheduler.abort(request.id)
+            self._complete(request, "abort")
+        with self._lock:
+            pending = [payload for kind, payload in self._inbox if kind == "add"]
+            self._inbox.clear()
+        for request in pending:
+            self._complete(request, "abort")
+        self._publish()
+        self._idle.set()
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self._dead = exc
+            pending = [payload for kind, payload in self._inbox if kind == "add"]
+            self._inbox.clear()
+        error = EngineDeadError(f"the engine loop died: {exc!r}")
+        error.__cause__ = exc
+        for request in [*self._live.values(), *pending]:
+            try:
+                request.data.sink.put(Failed(error))
+            except Exception:  # a caller whose event loop is gone needs no message
+                pass
+        self._live.clear()
+        self._idle.set()
+

@@ -1,0 +1,183 @@
+"""Sampling parameters and a batched sampler whose seeded draws do not depend on the batch.
+
+Randomness is Gumbel-max with noise that is a pure function of (seed, step, vocab index):
+a counter-based hash evaluated with integer tensor ops. A seeded request therefore draws the
+same token whichever rows share its batch, and the whole batch samples in one vectorised pass.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+_M32 = 0xFFFFFFFF
+_SEED_LIMIT = 1 << 63
+
+
+class SamplingParams(msgspec.Struct):
+    """How to pick tokens for one request. ``temperature=0`` is greedy; ``top_k=0`` is off."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and its limit."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}"
+            )
+        if not _is_real(self.temperature) or not self.temperature >= 0:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT):
+            raise ValueError(f"seed: must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids: must be a list of integers >= 0, got {self.stop_token_ids!r}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for x in [0, 2**32) without int64 overflow (16-bit halves)."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit avalanche mix (murmur3's finaliser) on int64 tensors in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    vocab_size: int,
+    vocab_hash: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Standard Gumbel noise ``[N, vocab]``, a pure function of (seed, step, vocab index)."""
+    if vocab_hash is None:
+        vocab_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) + 1)
+    key = mix32((seeds >> 32) ^ 0x9E3779B9)
+    key = mix32(key ^ (seeds & _M32))
+    key = mix32(key ^ (steps & _M32))
+    h = mix32(key[:, None] ^ vocab_hash[None, :])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+class Sampler:
+    """Picks one token per row of a logits matrix, all rows in one vectorised pass."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)  # seeds for requests that bring none
+        self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _hash_of_vocab(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        key = (vocab_size, device)
+        if key not in self._vocab_hash:
+            idx = torch.arange(vocab_size, dtype=torch.int64, device=device)
+            self._vocab_hash[key] = mix32(idx + 1)
+        return self._vocab_hash[key]
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        steps: Sequence[int],
+    ) -> torch.Tensor:
+        """Token ids ``[N]`` (int64) for logits ``[N, vocab]``; ``steps[i]`` counts the
+        tokens row i's request has generated so far (the counter of its seeded noise)."""
+        n, vocab = logits.shape
+        if len(params) != n or len(steps) != n:
+            raise ValueError(
+                f"params: need one SamplingParams and one step per logits row ({n}), "
+                f"got {len(params)} and {len(steps)}"
+            )
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.is_greedy for p in params):
+            return greedy_tokens
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        greedy = temps == 0
+        x = logits / torch.where(greedy, 1.0, temps)[:, None]
+        x = self._apply_filters(x, params)
+        seeds = torch.tensor(
+            [p.seed if p.seed is not None else self._rng.getrandbits(63) for p in params],
+            dtype=torch.int64,
+            device=dev,
+        )
+        step_t = torch.tensor(list(steps), dtype=torch.int64, device=dev)
+        noise = gumbel_noise(seeds, step_t, vocab, self._hash_of_vocab(vocab, dev))
+        sampled = (x + noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    @staticmethod
+    def _apply_filters(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Mask to -inf what top-k, then top-p, then min-p exclude (per row)."""
+        dev = x.device
+        vocab = x.shape[1]
+        neg_inf = torch.tensor(float("-inf"), device=dev)
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            top_k = torch.tensor(
+                [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                dtype=torch.int64,
+                device=dev,
+            )
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            sorted_x, order = x.sort(dim=-1, descending=True)
+            rank = torch.arange(vocab, device=dev)[None, :]
+            drop = rank >= top_k[:, None]
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+            probs = sorted_x.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
+            drop = drop | ((before >= top_p[:, None]) & (rank > 0))
+            x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+            probs = x.softmax(dim=-1)
+            limit = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            x = torch.where(probs < limit, neg_inf, x)
+        return x

@@ -1,0 +1,72 @@
+"""A snapshot of the engine's counters and page accounting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# Monotone counters copied from the scheduler (never reset, never overwritten per batch).
+COUNTER_NAMES = (
+    "requests",
+    "finished",
+    "aborted",
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_prefill_tokens",
+    "generated_tokens",
+    "evicted_pages",
+    "preemptions",
+)
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """Counters only ever grow; rates are derived from them; page figures are current values.
+
+    ``hit_rate`` = cached_tokens / prompt_tokens over the engine's life. Pages: ``pages_free``
+    (on the free list) + ``pages_cached`` (held by the prefix tree, locked or not) +
+    ``pages_in_use`` (private to running requests) == ``pages_total``. At idle
+    ``pages_in_use`` is 0.
+    """
+
+    requests: int
+    finished: int
+    aborted: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_prefill_tokens: int
+    generated_tokens: int
+    evicted_pages: int
+    preemptions: int
+    failed: int
+    hit_rate: float
+    pages_total: int
+    pages_free: int
+    pages_cached: int
+    pages_in_use: int
+    requests_running: int
+    requests_waiting: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+def snapshot(scheduler: Any, cache: Any, allocator: Any, failed: int) -> EngineStats:
+    """Reads the scheduler's counters and the page accounting (call on the loop thread)."""
+    counters = scheduler.counters
+    values = {name: int(getattr(counters, name)) for name in COUNTER_NAMES}
+    total = int(allocator.num_pages)
+    free = int(allocator.num_free)
+    cached = int(cache.cached_pages)
+    prompt = values["prompt_tokens"]
+    return EngineStats(
+        **values,
+        failed=failed,
+        hit_rate=values["cached_tokens"] / prompt if prompt else 0.0,
+        pages_total=total,
+        pages_free=free,
+        pages_cached=cached,
+        pages_in_use=total - free - cached,
+        requests_running=int(scheduler.num_running),
+        requests_waiting=int(scheduler.num_waiting),
+    )

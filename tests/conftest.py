@@ -1,0 +1,63 @@
+"""Session-wide fixtures: the bundled model is loaded once per test session and shared."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from scheduler.batch import BatchEntry
+from scheduler.request import Request
+
+
+def _one_thread() -> None:
+    """One intra-op thread: on a shared 2-core machine, OpenMP's spinning threads fight other
+    processes and a forward pass runs 10x slower than single-threaded (measured here)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32() -> Any:
+    """Our model for the bundled SmolLM2, float32 on the CPU (exactness tests)."""
+    from engine.loader import load_model
+
+    _one_thread()
+    return load_model(None, "cpu", "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Any:
+    """transformers' own model for the bundled SmolLM2, float32 on the CPU (the reference)."""
+    from engine.loader import load_hf_reference
+
+    _one_thread()
+    return load_hf_reference()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded_fp32: Any) -> Any:
+    return loaded_fp32.tokenizer
+
+
+def _make_entry(
+    request: Request,
+    input_ids: list[int],
+    start_pos: int,
+    pages: list[int],
+    page_size: int,
+    sample: bool = True,
+) -> BatchEntry:
+    """A BatchEntry feeding ``input_ids`` at ``start_pos``; ``pages`` must cover the KV after it."""
+    kv_len = start_pos + len(input_ids)
+    pages = list(pages[: -(-kv_len // page_size)])
+    slots = [pages[p // page_size] * page_size + p % page_size for p in range(start_pos, kv_len)]
+    return BatchEntry(request, list(input_ids), start_pos, pages, slots, sample)
+
+
+@pytest.fixture(scope="session")
+def make_entry() -> Any:
+    """``make_entry(request, input_ids, start_pos, pages, page_size, sample=True)`` builds a
+    BatchEntry with the slots its page table implies (for hand-built test batches)."""
+    return _make_entry

@@ -1,9 +1,10 @@
-"""Portable paged attention: gather each request's pages, one SDPA call per group per layer.
+"""Portable paged attention: one SDPA call per prefill group per layer, decodes in place.
 
 Requests are grouped so that padding stays small (all decodes together; prefill chunks of
-similar shape together). Per group, ``plan`` precomputes the token gather indices, the page
-table to gather K/V by whole pages and the (offset-causal) mask, so a layer only gathers and
-attends. A group of fresh prefills (no cached prefix) attends over its new K/V directly.
+similar shape together). Per prefill group, ``plan`` precomputes the token gather indices, the
+page table to gather K/V by whole pages and the (offset-causal) mask, so a layer only gathers
+and attends. A group of fresh prefills (no cached prefix) attends over its new K/V directly.
+The decode group reads K/V as views of the pool (``paged_decode``): no copy of the pages.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
+from engine.attention.paged_decode import DecodePieces, attend_decode, split_into_pieces
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
 
@@ -26,13 +28,14 @@ class _Group:
     """Requests attended together in one SDPA call, padded to [n, max_q, max_k]."""
 
     q_index: torch.Tensor  # int64 [n, max_q]: rows of the flat q (padding repeats)
-    kv_pages: torch.Tensor  # int64 [n, max_pages]: pool pages (padding points at page 0)
+    kv_pages: torch.Tensor | None  # int64 [n, max_pages]: pool pages (padding: page 0)
     mask: torch.Tensor | None  # bool [n or 1, 1, max_q, max_k]; None: no mask needed
     is_causal: bool  # top-left causal is exactly right (no prefix, no padding)
     out_rows: torch.Tensor | None  # int64: valid rows of the flattened [n * max_q] output
     out_tokens: torch.Tensor | None  # int64: where those rows go in the flat output
     contiguous_tokens: tuple[int, int] | None  # output is flat tokens [a, b) in order
     fresh: bool  # equal lengths, no cached prefix: K/V are the new tokens themselves
+    decode_pieces: list[DecodePieces] | None = None  # one query per request: read in place
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -64,6 +67,8 @@ class TorchAttentionBackend(AttentionBackend):
 
         i = torch.arange(max_q, device=dev)
         q_index = q_start[:, None] + torch.minimum(i[None, :], qo_t[:, None] - 1)
+        if max_q == 1:
+            return self._plan_decode_group(fb, rows, q_index)
 
         uniform = len(set(qo)) == 1 and len(set(kv)) == 1
         # fresh: no cached prefix and equal lengths, so the keys are the new tokens themselves
@@ -99,6 +104,31 @@ class TorchAttentionBackend(AttentionBackend):
             out_tokens = (q_start[:, None] + i[None, :]).reshape(-1)[out_rows]
         return _Group(q_index, kv_pages, mask, fresh, out_rows, out_tokens, contiguous, fresh)
 
+    def _plan_decode_group(
+        self, fb: ForwardBatch, rows: list[int], q_index: torch.Tensor
+    ) -> _Group:
+        """One query per request: the pool pieces each request reads (no mask, no padding)."""
+        indptr = fb.kv_indptr.tolist()
+        if len(rows) == fb.batch_size:
+            pages = fb.kv_indices
+        else:
+            pages = torch.cat([fb.kv_indices[indptr[r] : indptr[r + 1]] for r in rows])
+        pieces = split_into_pieces(
+            pages,
+            [indptr[r + 1] - indptr[r] for r in rows],
+            [fb.kv_lens[r] for r in rows],
+            fb.page_size,
+        )
+        contiguous: tuple[int, int] | None = None
+        out_rows = out_tokens = None
+        if rows == list(range(rows[0], rows[-1] + 1)):
+            a = sum(fb.qo_lens[: rows[0]])
+            contiguous = (a, a + len(rows))
+        else:
+            out_rows = torch.arange(len(rows), device=q_index.device)
+            out_tokens = q_index[:, 0]
+        return _Group(q_index, None, None, False, out_rows, out_tokens, contiguous, False, pieces)
+
     def run(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
     ) -> torch.Tensor:
@@ -131,9 +161,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """SDPA for one group; returns ``[n, max_q, num_heads, head_dim]``."""
         n, max_q = g.q_index.shape
-        rep = self.num_heads // self.num_kv_heads
-        if max_q == 1 and rep > 1:
-            return self._attend_decode(g, q, k_pages, v_pages, rep)
+        if g.decode_pieces is not None:
+            return self._attend_decode(g, q, k_pages, v_pages)
         if g.contiguous_tokens is not None:  # no gather: a view of the flat tokens
             a, b = g.contiguous_tokens
             qg = q[a:b].view(n, max_q, self.num_heads, self.head_dim).transpose(1, 2)
@@ -163,23 +192,26 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2)
 
     def _attend_decode(
-        self, g: _Group, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, rep: int
+        self, g: _Group, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     ) -> torch.Tensor:
-        """One query per request: fold the query heads sharing a KV head into the query-length
-        axis, ``[n, Hkv, rep, D]``, so SDPA reads each KV head once (no causal order among
-        them: they are the same position). ~1.6x faster than enable_gqa here."""
+        """One query per request, read from pool views: the query heads sharing a KV head form
+        one ``[rep, D]`` block, so each KV head is read once per request."""
+        assert g.decode_pieces is not None
         n = g.q_index.shape[0]
+        rep = self.num_heads // self.num_kv_heads
         if g.contiguous_tokens is not None:
             a, b = g.contiguous_tokens
             qg = q[a:b].reshape(n, self.num_kv_heads, rep, self.head_dim)
         else:
             qg = q[g.q_index[:, 0]].reshape(n, self.num_kv_heads, rep, self.head_dim)
-        shape = (n, -1, self.num_kv_heads, self.head_dim)
-        kg = k_pages[g.kv_pages].view(shape).transpose(1, 2)
-        vg = v_pages[g.kv_pages].view(shape).transpose(1, 2)
-        if kg.dtype != qg.dtype:
-            kg, vg = kg.to(qg.dtype), vg.to(qg.dtype)
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask)
+        kv_shape = (-1, self.num_kv_heads, self.head_dim)
+        out = attend_decode(
+            qg,
+            k_pages.view(kv_shape),
+            v_pages.view(kv_shape),
+            g.decode_pieces,
+            self.head_dim**-0.5,
+        )
         return out.reshape(n, 1, self.num_heads, self.head_dim)
 
 

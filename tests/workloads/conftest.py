@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import pytest
+
+from workloads.text import TextSource
+from workloads.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def source(tokenizer):
+    return TextSource(tokenizer)

@@ -130,6 +130,11 @@ class Engine:
         return self._page_size
 
     @property
+    def prefix_cache(self) -> bool:
+        """False: nothing is reused across requests (the benchmarks' baseline)."""
+        return self._prefix_cache
+
+    @property
     def num_pages(self) -> int:
         return self._num_pages
 

@@ -136,11 +136,18 @@ def main(argv: Sequence[str] | None = None) -> list[DemoRow]:
     p.add_argument("--dtype", default=None)
     p.add_argument("--doc-tokens", type=int, default=400)
     p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on this 2-core machine two torch threads "
+                        "beside the engine loop thread ran the demo 1.6x slower and erratically)")
     args = p.parse_args(argv)
 
     started = time.perf_counter()
+    import torch
+
     from engine import Engine, SamplingParams
     from engine.loader import load_model
+
+    torch.set_num_threads(args.threads)
 
     loaded = load_model(args.model, args.device, args.dtype)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
@@ -95,14 +95,8 @@ def run_generate(
     except ValueError as exc:
         print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2
-    output = None
     try:
-        for item in events:
-            if isinstance(item, str):
-                out.write(item)
-                out.flush()
-            else:
-                output = item
+        output = echo_stream(events, out)
     except KeyboardInterrupt:
         events.close()
         print("\n[interrupted]", file=sys.stderr)
@@ -154,7 +148,6 @@ def run_chat(
                 file=sys.stderr,
             )
             continue
-        output = None
         try:
             turn = session.stream(text)
         except ValueError as exc:
@@ -163,12 +156,7 @@ def run_chat(
         out.write("bot> ")
         out.flush()
         try:
-            for item in turn:
-                if isinstance(item, str):
-                    out.write(item)
-                    out.flush()
-                else:
-                    output = item
+            output = echo_stream(turn, out)
         except KeyboardInterrupt:
             turn.close()  # aborts the request and frees its pages
             out.write("\n")
@@ -179,6 +167,18 @@ def run_chat(
         if output is not None:
             print(status_line(output), file=sys.stderr, flush=True)
     return 0
+
+
+def echo_stream(events: Iterator[str | RequestOutput], out: TextIO) -> RequestOutput | None:
+    """Write a stream's text deltas to ``out`` as they come; returns its final output."""
+    output = None
+    for item in events:
+        if isinstance(item, str):
+            out.write(item)
+            out.flush()
+        else:
+            output = item
+    return output
 
 
 def status_line(output: RequestOutput) -> str:

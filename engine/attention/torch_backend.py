@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
+from engine.attention.cascade import CascadePlan, attend_cascade, plan_cascade
 from engine.attention.paged_decode import DecodePieces, attend_decode, split_into_pieces
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
@@ -36,6 +37,7 @@ class _Group:
     contiguous_tokens: tuple[int, int] | None  # output is flat tokens [a, b) in order
     fresh: bool  # equal lengths, no cached prefix: K/V are the new tokens themselves
     decode_pieces: list[DecodePieces] | None = None  # one query per request: read in place
+    cascade: CascadePlan | None = None  # decode with shared prefixes: each read once
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -107,18 +109,20 @@ class TorchAttentionBackend(AttentionBackend):
     def _plan_decode_group(
         self, fb: ForwardBatch, rows: list[int], q_index: torch.Tensor
     ) -> _Group:
-        """One query per request: the pool pieces each request reads (no mask, no padding)."""
+        """One query per request: the pool pieces each request reads (no mask, no padding), or
+        a cascade plan when requests share prefix pages."""
         indptr = fb.kv_indptr.tolist()
-        if len(rows) == fb.batch_size:
-            pages = fb.kv_indices
-        else:
-            pages = torch.cat([fb.kv_indices[indptr[r] : indptr[r + 1]] for r in rows])
-        pieces = split_into_pieces(
-            pages,
-            [indptr[r + 1] - indptr[r] for r in rows],
-            [fb.kv_lens[r] for r in rows],
-            fb.page_size,
-        )
+        kv_lens = [fb.kv_lens[r] for r in rows]
+        all_pages = fb.kv_indices.tolist()
+        tables = [all_pages[indptr[r] : indptr[r + 1]] for r in rows]
+        cascade = plan_cascade(tables, kv_lens, fb.page_size, device=q_index.device)
+        pieces: list[DecodePieces] | None = None
+        if cascade is None:
+            if len(rows) == fb.batch_size:
+                pages = fb.kv_indices
+            else:
+                pages = torch.cat([fb.kv_indices[indptr[r] : indptr[r + 1]] for r in rows])
+            pieces = split_into_pieces(pages, [len(t) for t in tables], kv_lens, fb.page_size)
         contiguous: tuple[int, int] | None = None
         out_rows = out_tokens = None
         if rows == list(range(rows[0], rows[-1] + 1)):
@@ -127,7 +131,9 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             out_rows = torch.arange(len(rows), device=q_index.device)
             out_tokens = q_index[:, 0]
-        return _Group(q_index, None, None, False, out_rows, out_tokens, contiguous, False, pieces)
+        return _Group(
+            q_index, None, None, False, out_rows, out_tokens, contiguous, False, pieces, cascade
+        )
 
     def run(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
@@ -161,7 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """SDPA for one group; returns ``[n, max_q, num_heads, head_dim]``."""
         n, max_q = g.q_index.shape
-        if g.decode_pieces is not None:
+        if g.decode_pieces is not None or g.cascade is not None:
             return self._attend_decode(g, q, k_pages, v_pages)
         if g.contiguous_tokens is not None:  # no gather: a view of the flat tokens
             a, b = g.contiguous_tokens
@@ -196,7 +202,6 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """One query per request, read from pool views: the query heads sharing a KV head form
         one ``[rep, D]`` block, so each KV head is read once per request."""
-        assert g.decode_pieces is not None
         n = g.q_index.shape[0]
         rep = self.num_heads // self.num_kv_heads
         if g.contiguous_tokens is not None:
@@ -205,13 +210,13 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             qg = q[g.q_index[:, 0]].reshape(n, self.num_kv_heads, rep, self.head_dim)
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
-        out = attend_decode(
-            qg,
-            k_pages.view(kv_shape),
-            v_pages.view(kv_shape),
-            g.decode_pieces,
-            self.head_dim**-0.5,
-        )
+        k_flat, v_flat = k_pages.view(kv_shape), v_pages.view(kv_shape)
+        scale = self.head_dim**-0.5
+        if g.cascade is not None:
+            out = attend_cascade(qg, k_flat, v_flat, g.cascade, scale)
+        else:
+            assert g.decode_pieces is not None
+            out = attend_decode(qg, k_flat, v_flat, g.decode_pieces, scale)
         return out.reshape(n, 1, self.num_heads, self.head_dim)
 
 

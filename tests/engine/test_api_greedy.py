@@ -47,3 +47,40 @@ def test_greedy_matches_transformers_under_memory_pressure(
     assert stats.evicted_pages > 0
     assert stats.preemptions > 0
     assert_idle_accounting(eng)
+
+
+def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
+    make_engine, tokenizer, hf_greedy, monkeypatch
+) -> None:
+    """Four questions under one ~400-token system prompt decode together: the shared prefix is
+    attended once for all four (cascade) and the answers are still transformers' own."""
+    from engine.attention import torch_backend
+
+    calls = []
+    real = torch_backend.attend_cascade
+
+    def counting(*args, **kwargs):
+        calls.append(args[3].num_shared_tokens)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_backend, "attend_cascade", counting)
+    system = " ".join(
+        f"Rule {i}: answer politely, cite the source, and keep each reply short." for i in range(28)
+    )
+    conversations = [
+        [{"role": "system", "content": system}, {"role": "user", "content": p}]
+        for p in CHAT_PROMPTS[:4]
+    ]
+    ids = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for c in conversations
+    ]
+    assert len(ids[0]) > 400
+    eng = make_engine(page_size=16, num_pages=160)
+    outs = eng.generate(conversations, greedy(NEW_TOKENS))
+    assert [o.token_ids for o in outs] == [hf_greedy(i, NEW_TOKENS) for i in ids]
+    assert calls and max(calls) >= 384  # the decodes did read the system prompt once per step
+    assert_idle_accounting(eng)

@@ -1,0 +1,301 @@
+"""Cascade decode attention: a prefix that several requests of a decode batch share is read
+once for all of them.
+
+With the prefix cache on, requests that share a prompt prefix point at the same pool pages, and
+plain per-request decode attention reads those pages once per request: at 64 requests over 8
+shared 1,000-token prefixes, 8 times more K/V than there is. Here the batch's page tables are
+split like a trie: a run of pages that several requests hold at the same positions becomes a
+*shared segment*, attended once with the queries of all its members stacked (one matrix product
+per KV head), and each request's remaining tokens are its *tail*. Every part returns an
+unnormalised output with its row maxima and sums, and the parts of a request are merged by
+log-sum-exp, which is exact (the same softmax over the union of the keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.paged_decode import DecodePieces, split_into_pieces
+
+# A shared segment is attended on its own only when it spares at least this many token reads
+# ((members - 1) * tokens): below that, its fixed per-layer cost is more than it saves.
+MIN_SAVED_TOKENS = 256
+# Tails are gathered into one padded batch (a few calls per layer instead of a few per request)
+# when the longest is at most this many tokens and padding adds at most half again.
+MAX_BATCHED_TAIL_TOKENS = 256
+MAX_TAIL_PADDING_RATIO = 1.5
+
+
+@dataclass
+class SharedSegment:
+    """Tokens that every member request attends: pool slot ranges read in place."""
+
+    members: torch.Tensor  # int64 rows of the decode batch
+    views: list[tuple[int, int]]  # (first slot, number of tokens)
+    first_part: int  # the members' parts are first_part .. first_part + len(members) - 1
+
+
+@dataclass
+class BatchedTails:
+    """Every tail gathered into one padded batch: slots ``[rows, longest]``, -inf on padding."""
+
+    rows: torch.Tensor  # int64 requests with a tail
+    slots: torch.Tensor  # int64 [len(rows), longest]; padding repeats a valid slot
+    bias: torch.Tensor | None  # float [len(rows), 1, 1, longest]: 0 or -inf; None: no padding
+    first_part: int  # the tails' parts are first_part .. first_part + len(rows) - 1
+
+
+@dataclass
+class CascadePlan:
+    """How one decode batch is attended: shared segments, then each request's tail."""
+
+    shared: list[SharedSegment]
+    tails: list[DecodePieces | None]  # per request: tokens after its shared segments
+    tail_part: list[int]  # per request: its tail's part index (-1: no tail)
+    part_owner: torch.Tensor  # int64 [parts]: the request each part belongs to
+    num_parts: int
+    batched_tails: BatchedTails | None = None  # set instead of ``tails`` when tails are short
+
+    @property
+    def num_shared_tokens(self) -> int:
+        return sum(n for s in self.shared for _, n in s.views)
+
+
+def plan_cascade(
+    tables: list[list[int]],
+    kv_lens: list[int],
+    page_size: int,
+    min_saved_tokens: int = MIN_SAVED_TOKENS,
+    device: torch.device | str = "cpu",
+) -> CascadePlan | None:
+    """Shared segments and tails for requests with page tables ``tables``; None if no prefix is
+    worth sharing (then plain per-request attention is cheaper).
+
+    Only full pages can be shared: a request writes its current token into a page of its own.
+    """
+    n = len(tables)
+    if n < 2:
+        return None
+    full = [kv // page_size for kv in kv_lens]
+    tail_start = [0] * n  # page index where each request's tail begins
+    segments: list[tuple[list[int], int, int]] = []  # (members, first page, end page)
+    stack: list[tuple[list[int], int]] = [(list(range(n)), 0)]
+    while stack:
+        members, depth = stack.pop()
+        by_page: dict[int, list[int]] = {}
+        for r in members:
+            if full[r] > depth:
+                by_page.setdefault(tables[r][depth], []).append(r)
+            else:
+                tail_start[r] = depth
+        for rs in by_page.values():
+            if len(rs) > 1:
+                end = _common_run_end(tables, rs, depth, min(full[r] for r in rs))
+                if (len(rs) - 1) * (end - depth) * page_size >= min_saved_tokens:
+                    segments.append((rs, depth, end))
+                    stack.append((rs, end))
+                    continue
+            for r in rs:
+                tail_start[r] = depth
+    if not segments:
+        return None
+
+    owner: list[int] = []
+    shared: list[SharedSegment] = []
+    for rs, a, b in segments:
+        views = _page_runs(tables[rs[0]][a:b], page_size)
+        members = torch.tensor(rs, dtype=torch.int64, device=device)
+        shared.append(SharedSegment(members, views, len(owner)))
+        owner.extend(rs)
+
+    tails: list[DecodePieces | None] = [None] * n
+    tail_part = [-1] * n
+    with_tail = [r for r in range(n) if tail_start[r] * page_size < kv_lens[r]]
+    tail_lens = [kv_lens[r] - tail_start[r] * page_size for r in with_tail]
+    if with_tail and _worth_batching(tail_lens):
+        first = len(owner)
+        owner.extend(with_tail)
+        batched = _batch_tails(tables, with_tail, tail_start, tail_lens, page_size, device)
+        batched.first_part = first
+        part_owner = torch.tensor(owner, dtype=torch.int64, device=device)
+        return CascadePlan(shared, tails, tail_part, part_owner, len(owner), batched)
+    if with_tail:
+        pages = torch.tensor(
+            [p for r in with_tail for p in tables[r][tail_start[r] :]],
+            dtype=torch.int64,
+            device=device,
+        )
+        pieces = split_into_pieces(
+            pages,
+            [len(tables[r]) - tail_start[r] for r in with_tail],
+            [kv_lens[r] - tail_start[r] * page_size for r in with_tail],
+            page_size,
+        )
+        for r, piece in zip(with_tail, pieces):
+            tails[r] = piece
+            tail_part[r] = len(owner)
+            owner.append(r)
+    part_owner = torch.tensor(owner, dtype=torch.int64, device=device)
+    return CascadePlan(shared, tails, tail_part, part_owner, len(owner))
+
+
+def _worth_batching(tail_lens: list[int]) -> bool:
+    longest = max(tail_lens)
+    return (
+        longest <= MAX_BATCHED_TAIL_TOKENS
+        and longest * len(tail_lens) <= MAX_TAIL_PADDING_RATIO * sum(tail_lens)
+    )
+
+
+def _batch_tails(
+    tables: list[list[int]],
+    rows: list[int],
+    tail_start: list[int],
+    tail_lens: list[int],
+    page_size: int,
+    device: torch.device | str,
+) -> BatchedTails:
+    longest = max(tail_lens)
+    num_pages = -(-longest // page_size)
+    padded_pages = []
+    for r in rows:
+        own = tables[r][tail_start[r] :]
+        padded_pages.append(own + [own[0]] * (num_pages - len(own)))
+    pages = torch.tensor(padded_pages, dtype=torch.int64, device=device)
+    token = torch.arange(longest, device=device)
+    slots = pages[:, token // page_size] * page_size + token % page_size
+    lens = torch.tensor(tail_lens, dtype=torch.int64, device=device)
+    valid = token[None, :] < lens[:, None]
+    bias: torch.Tensor | None = None
+    if not bool(valid.all()):
+        slots = torch.where(valid, slots, slots[:, :1])
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+        bias.masked_fill_(~valid, float("-inf"))
+        bias = bias[:, None, None, :]
+    return BatchedTails(torch.tensor(rows, dtype=torch.int64, device=device), slots, bias, 0)
+
+
+def _common_run_end(tables: list[list[int]], members: list[int], depth: int, limit: int) -> int:
+    """The first page index in ``depth..limit`` where the members' page ids differ."""
+    first = tables[members[0]]
+    others = [tables[r] for r in members[1:]]
+    end = depth + 1
+    while end < limit and all(t[end] == first[end] for t in others):
+        end += 1
+    return end
+
+
+def _page_runs(pages: list[int], page_size: int) -> list[tuple[int, int]]:
+    """(first slot, tokens) per run of consecutive page ids."""
+    runs: list[tuple[int, int]] = []
+    start = prev = pages[0]
+    for p in pages[1:]:
+        if p != prev + 1:
+            runs.append((start * page_size, (prev - start + 1) * page_size))
+            start = p
+        prev = p
+    runs.append((start * page_size, (prev - start + 1) * page_size))
+    return runs
+
+
+def attend_cascade(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    plan: CascadePlan,
+    scale: float,
+) -> torch.Tensor:
+    """q ``[n, Hkv, G, D]`` (G query heads per KV head), pool ``[slots, Hkv, D]`` -> ``[n, Hkv, G, D]``."""
+    n, hkv, g, d = q.shape
+    q = q * scale
+    parts_out = q.new_empty((plan.num_parts, hkv, g, d))
+    parts_max = q.new_empty((plan.num_parts, hkv, g, 1))
+    parts_sum = q.new_empty((plan.num_parts, hkv, g, 1))
+
+    for seg in plan.shared:
+        m = seg.members.numel()
+        qs = q.index_select(0, seg.members).transpose(0, 1).reshape(hkv, m * g, d)
+        keys = [k_flat.narrow(0, s, length) for s, length in seg.views]
+        values = [v_flat.narrow(0, s, length) for s, length in seg.views]
+        out, mx, total = _partial_attention(qs, keys, values)
+        a, b = seg.first_part, seg.first_part + m
+        parts_out[a:b] = out.view(hkv, m, g, d).transpose(0, 1)
+        parts_max[a:b] = mx.view(hkv, m, g, 1).transpose(0, 1)
+        parts_sum[a:b] = total.view(hkv, m, g, 1).transpose(0, 1)
+
+    bt = plan.batched_tails
+    if bt is not None:
+        rows, longest = bt.slots.shape
+        flat = bt.slots.reshape(-1)
+        keys = k_flat.index_select(0, flat).view(rows, longest, hkv, d)
+        values = v_flat.index_select(0, flat).view(rows, longest, hkv, d)
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        scores = torch.matmul(q.index_select(0, bt.rows), keys.permute(0, 2, 3, 1))
+        if bt.bias is not None:
+            scores.add_(bt.bias.to(scores.dtype))
+        a, b = bt.first_part, bt.first_part + rows
+        mx = torch.amax(scores, -1, keepdim=True, out=parts_max[a:b])
+        probs = scores.sub_(mx).exp_()
+        torch.sum(probs, -1, True, out=parts_sum[a:b])
+        torch.matmul(probs, values.transpose(1, 2), out=parts_out[a:b])
+
+    for r, tail in enumerate(plan.tails):
+        if tail is None:
+            continue
+        keys = [k_flat.narrow(0, s, length) for s, length in tail.views]
+        values = [v_flat.narrow(0, s, length) for s, length in tail.views]
+        if tail.gathered is not None:
+            keys.append(k_flat.index_select(0, tail.gathered))
+            values.append(v_flat.index_select(0, tail.gathered))
+        i = plan.tail_part[r]
+        _partial_attention(
+            q[r], keys, values, out=(parts_out[i], parts_max[i], parts_sum[i])
+        )
+
+    # log-sum-exp merge of each request's parts
+    owner = plan.part_owner
+    row_max = parts_max.new_full((n, hkv, g, 1), float("-inf"))
+    row_max.scatter_reduce_(0, owner.view(-1, 1, 1, 1).expand_as(parts_max), parts_max, "amax")
+    weight = (parts_max - row_max.index_select(0, owner)).exp_()
+    numer = q.new_zeros((n, hkv, g, d)).index_add_(0, owner, parts_out.mul_(weight))
+    denom = q.new_zeros((n, hkv, g, 1)).index_add_(0, owner, parts_sum.mul_(weight))
+    return numer.div_(denom)
+
+
+def _partial_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised attention of q ``[Hkv, R, D]`` (pre-scaled) over keys/values ``[L, Hkv, D]``
+    pieces: ``(sum_j exp(s_j - max) v_j, max, sum_j exp(s_j - max))`` per row."""
+    if keys[0].dtype != q.dtype:
+        keys = [k.to(q.dtype) for k in keys]
+        values = [v.to(q.dtype) for v in values]
+    if len(keys) == 1:
+        scores = torch.matmul(q, keys[0].permute(1, 2, 0))
+    else:
+        scores = torch.cat([torch.matmul(q, k.permute(1, 2, 0)) for k in keys], dim=-1)
+    if out is None:
+        mx = scores.amax(-1, keepdim=True)
+    else:
+        mx = torch.amax(scores, -1, keepdim=True, out=out[1])
+    probs = scores.sub_(mx).exp_()
+    total = probs.sum(-1, keepdim=True) if out is None else torch.sum(probs, -1, True, out=out[2])
+    if len(values) == 1:
+        acc = torch.matmul(probs, values[0].transpose(0, 1), out=None if out is None else out[0])
+    else:
+        acc = out[0] if out is not None else q.new_empty(q.shape[:-1] + (values[0].shape[-1],))
+        offset = 0
+        for i, v in enumerate(values):
+            p = probs.narrow(-1, offset, v.shape[0])
+            if i == 0:
+                torch.matmul(p, v.transpose(0, 1), out=acc)
+            else:
+                acc.baddbmm_(p, v.transpose(0, 1))
+            offset += v.shape[0]
+    return acc, mx, total

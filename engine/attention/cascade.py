@@ -143,10 +143,9 @@ def plan_cascade(
 
 def _worth_batching(tail_lens: list[int]) -> bool:
     longest = max(tail_lens)
-    return (
-        longest <= MAX_BATCHED_TAIL_TOKENS
-        and longest * len(tail_lens) <= MAX_TAIL_PADDING_RATIO * sum(tail_lens)
-    )
+    return longest <= MAX_BATCHED_TAIL_TOKENS and longest * len(
+        tail_lens
+    ) <= MAX_TAIL_PADDING_RATIO * sum(tail_lens)
 
 
 def _batch_tails(
@@ -251,9 +250,7 @@ def attend_cascade(
             keys.append(k_flat.index_select(0, tail.gathered))
             values.append(v_flat.index_select(0, tail.gathered))
         i = plan.tail_part[r]
-        _partial_attention(
-            q[r], keys, values, out=(parts_out[i], parts_max[i], parts_sum[i])
-        )
+        _partial_attention(q[r], keys, values, out=(parts_out[i], parts_max[i], parts_sum[i]))
 
     # log-sum-exp merge of each request's parts
     owner = plan.part_owner

@@ -130,7 +130,9 @@ def test_cascade_equals_plain_attention_for_any_trie_of_prefixes(
     """Requests pick one of 4 roots and one of 3 branches below it (pages shared by whoever
     picks the same), then private pages: every trie of prefixes a radix cache can make."""
     roots = {r: [100 + 10 * r + i for i in range(3)] for r in range(4)}
-    branches = {(r, b): [300 + 10 * (3 * r + b) + i for i in range(2)] for r in range(4) for b in range(3)}
+    branches = {
+        (r, b): [300 + 10 * (3 * r + b) + i for i in range(2)] for r in range(4) for b in range(3)
+    }
     tables, lengths = [], []
     nxt = 1000
     for r, b, tail in shapes:

@@ -39,11 +39,12 @@ class SharedSegment:
 
 @dataclass
 class BatchedTails:
-    """Every tail gathered into one padded batch: slots ``[rows, longest]``, -inf on padding."""
+    """Every tail gathered by whole pages into one padded batch, -inf on the padding."""
 
     rows: torch.Tensor  # int64 requests with a tail
-    slots: torch.Tensor  # int64 [len(rows), longest]; padding repeats a valid slot
-    bias: torch.Tensor | None  # float [len(rows), 1, 1, longest]: 0 or -inf; None: no padding
+    pages: torch.Tensor  # int64 [len(rows), pages of the longest]; padding repeats a page
+    bias: torch.Tensor | None  # float [1, len(rows), 1, tokens]: 0 or -inf; None: no padding
+    page_size: int
     first_part: int  # the tails' parts are first_part .. first_part + len(rows) - 1
 
 
@@ -156,24 +157,23 @@ def _batch_tails(
     page_size: int,
     device: torch.device | str,
 ) -> BatchedTails:
-    longest = max(tail_lens)
-    num_pages = -(-longest // page_size)
+    """Tails are read by whole pages (a page is one contiguous row of the pool: far cheaper to
+    gather than its tokens one by one); tokens past a tail's length are masked."""
+    num_pages = -(-max(tail_lens) // page_size)
     padded_pages = []
     for r in rows:
         own = tables[r][tail_start[r] :]
         padded_pages.append(own + [own[0]] * (num_pages - len(own)))
     pages = torch.tensor(padded_pages, dtype=torch.int64, device=device)
-    token = torch.arange(longest, device=device)
-    slots = pages[:, token // page_size] * page_size + token % page_size
-    lens = torch.tensor(tail_lens, dtype=torch.int64, device=device)
-    valid = token[None, :] < lens[:, None]
+    token = torch.arange(num_pages * page_size, device=device)
+    valid = token[None, :] < torch.tensor(tail_lens, dtype=torch.int64, device=device)[:, None]
     bias: torch.Tensor | None = None
     if not bool(valid.all()):
-        slots = torch.where(valid, slots, slots[:, :1])
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=device)
         bias.masked_fill_(~valid, float("-inf"))
-        bias = bias[:, None, None, :]
-    return BatchedTails(torch.tensor(rows, dtype=torch.int64, device=device), slots, bias, 0)
+        bias = bias[None, :, None, :]
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    return BatchedTails(rows_t, pages, bias, page_size, 0)
 
 
 def _common_run_end(tables: list[list[int]], members: list[int], depth: int, limit: int) -> int:
@@ -224,22 +224,8 @@ def attend_cascade(
         parts_max[a:b] = mx.view(hkv, m, g, 1).transpose(0, 1)
         parts_sum[a:b] = total.view(hkv, m, g, 1).transpose(0, 1)
 
-    bt = plan.batched_tails
-    if bt is not None:
-        rows, longest = bt.slots.shape
-        flat = bt.slots.reshape(-1)
-        keys = k_flat.index_select(0, flat).view(rows, longest, hkv, d)
-        values = v_flat.index_select(0, flat).view(rows, longest, hkv, d)
-        if keys.dtype != q.dtype:
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        scores = torch.matmul(q.index_select(0, bt.rows), keys.permute(0, 2, 3, 1))
-        if bt.bias is not None:
-            scores.add_(bt.bias.to(scores.dtype))
-        a, b = bt.first_part, bt.first_part + rows
-        mx = torch.amax(scores, -1, keepdim=True, out=parts_max[a:b])
-        probs = scores.sub_(mx).exp_()
-        torch.sum(probs, -1, True, out=parts_sum[a:b])
-        torch.matmul(probs, values.transpose(1, 2), out=parts_out[a:b])
+    if plan.batched_tails is not None:
+        _attend_batched_tails(q, k_flat, v_flat, plan.batched_tails, parts_out, parts_max, parts_sum)
 
     for r, tail in enumerate(plan.tails):
         if tail is None:
@@ -260,6 +246,45 @@ def attend_cascade(
     numer = q.new_zeros((n, hkv, g, d)).index_add_(0, owner, parts_out.mul_(weight))
     denom = q.new_zeros((n, hkv, g, 1)).index_add_(0, owner, parts_sum.mul_(weight))
     return numer.div_(denom)
+
+
+def _attend_batched_tails(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    bt: BatchedTails,
+    parts_out: torch.Tensor,
+    parts_max: torch.Tensor,
+    parts_sum: torch.Tensor,
+) -> None:
+    """Partial attention of every tail at once, one matrix product per KV head and side.
+
+    The gathered K/V stay ``[rows, tokens, Hkv, D]``: each head's slice is a strided batch of
+    matrices the BLAS reads as is, where a head-major permute would copy them all."""
+    _, hkv, g, d = q.shape
+    rows, num_pages = bt.pages.shape
+    tokens = num_pages * bt.page_size
+    flat_pages = bt.pages.reshape(-1)
+    keys = k_flat.view(-1, bt.page_size * hkv * d).index_select(0, flat_pages)
+    values = v_flat.view(-1, bt.page_size * hkv * d).index_select(0, flat_pages)
+    keys, values = keys.view(rows, tokens, hkv, d), values.view(rows, tokens, hkv, d)
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    qt = q.index_select(0, bt.rows)
+    scores = q.new_empty((hkv, rows, g, tokens))
+    for h in range(hkv):
+        torch.bmm(qt[:, h], keys[:, :, h].transpose(1, 2), out=scores[h])
+    if bt.bias is not None:
+        scores.add_(bt.bias.to(scores.dtype))
+    mx = scores.amax(-1, keepdim=True)
+    probs = scores.sub_(mx).exp_()
+    out = q.new_empty((hkv, rows, g, d))
+    for h in range(hkv):
+        torch.bmm(probs[h], values[:, :, h], out=out[h])
+    a, b = bt.first_part, bt.first_part + rows
+    parts_out[a:b] = out.transpose(0, 1)
+    parts_max[a:b] = mx.transpose(0, 1)
+    parts_sum[a:b] = probs.sum(-1, keepdim=True).transpose(0, 1)
 
 
 def _partial_attention(

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.paged_decode import DecodePieces, split_into_pieces
+from engine.attention.paged_decode import (
+    DecodePieces,
+    piece_scores,
+    piece_tensors,
+    split_into_pieces,
+    weighted_values,
+)
 
 # A shared segment is attended on its own only when it spares at least this many token reads
 # ((members - 1) * tokens): below that, its fixed per-layer cost is more than it saves.
@@ -216,27 +222,29 @@ def attend_cascade(
     for seg in plan.shared:
         m = seg.members.numel()
         qs = q.index_select(0, seg.members).transpose(0, 1).reshape(hkv, m * g, d)
-        keys = [k_flat.narrow(0, s, length) for s, length in seg.views]
-        values = [v_flat.narrow(0, s, length) for s, length in seg.views]
-        out, mx, total = _partial_attention(qs, keys, values)
+        keys, values = piece_tensors(k_flat, v_flat, DecodePieces(seg.views, None), q.dtype)
+        out, mx, total = (
+            qs.new_empty(qs.shape),
+            qs.new_empty((hkv, m * g, 1)),
+            qs.new_empty((hkv, m * g, 1)),
+        )
+        _partial_attention(qs, keys, values, (out, mx, total))
         a, b = seg.first_part, seg.first_part + m
         parts_out[a:b] = out.view(hkv, m, g, d).transpose(0, 1)
         parts_max[a:b] = mx.view(hkv, m, g, 1).transpose(0, 1)
         parts_sum[a:b] = total.view(hkv, m, g, 1).transpose(0, 1)
 
     if plan.batched_tails is not None:
-        _attend_batched_tails(q, k_flat, v_flat, plan.batched_tails, parts_out, parts_max, parts_sum)
+        _attend_batched_tails(
+            q, k_flat, v_flat, plan.batched_tails, parts_out, parts_max, parts_sum
+        )
 
     for r, tail in enumerate(plan.tails):
         if tail is None:
             continue
-        keys = [k_flat.narrow(0, s, length) for s, length in tail.views]
-        values = [v_flat.narrow(0, s, length) for s, length in tail.views]
-        if tail.gathered is not None:
-            keys.append(k_flat.index_select(0, tail.gathered))
-            values.append(v_flat.index_select(0, tail.gathered))
+        keys, values = piece_tensors(k_flat, v_flat, tail, q.dtype)
         i = plan.tail_part[r]
-        _partial_attention(q[r], keys, values, out=(parts_out[i], parts_max[i], parts_sum[i]))
+        _partial_attention(q[r], keys, values, (parts_out[i], parts_max[i], parts_sum[i]))
 
     # log-sum-exp merge of each request's parts
     owner = plan.part_owner
@@ -291,33 +299,13 @@ def _partial_attention(
     q: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalised attention of q ``[Hkv, R, D]`` (pre-scaled) over keys/values ``[L, Hkv, D]``
-    pieces: ``(sum_j exp(s_j - max) v_j, max, sum_j exp(s_j - max))`` per row."""
-    if keys[0].dtype != q.dtype:
-        keys = [k.to(q.dtype) for k in keys]
-        values = [v.to(q.dtype) for v in values]
-    if len(keys) == 1:
-        scores = torch.matmul(q, keys[0].permute(1, 2, 0))
-    else:
-        scores = torch.cat([torch.matmul(q, k.permute(1, 2, 0)) for k in keys], dim=-1)
-    if out is None:
-        mx = scores.amax(-1, keepdim=True)
-    else:
-        mx = torch.amax(scores, -1, keepdim=True, out=out[1])
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """Unnormalised attention of q ``[Hkv, R, D]`` (pre-scaled) over K/V pieces ``[L, Hkv, D]``
+    into ``out`` = ``(sum_j exp(s_j - max) v_j, max, sum_j exp(s_j - max))`` per row."""
+    acc, mx, total = out
+    scores = piece_scores(q, keys)
+    torch.amax(scores, -1, keepdim=True, out=mx)
     probs = scores.sub_(mx).exp_()
-    total = probs.sum(-1, keepdim=True) if out is None else torch.sum(probs, -1, True, out=out[2])
-    if len(values) == 1:
-        acc = torch.matmul(probs, values[0].transpose(0, 1), out=None if out is None else out[0])
-    else:
-        acc = out[0] if out is not None else q.new_empty(q.shape[:-1] + (values[0].shape[-1],))
-        offset = 0
-        for i, v in enumerate(values):
-            p = probs.narrow(-1, offset, v.shape[0])
-            if i == 0:
-                torch.matmul(p, v.transpose(0, 1), out=acc)
-            else:
-                acc.baddbmm_(p, v.transpose(0, 1))
-            offset += v.shape[0]
-    return acc, mx, total
+    torch.sum(probs, -1, True, out=total)
+    weighted_values(probs, values, acc)

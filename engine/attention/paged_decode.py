@@ -96,6 +96,41 @@ def split_into_pieces(
     return [DecodePieces(v, g) for v, g in zip(views, gathered)]
 
 
+def piece_tensors(
+    k_flat: torch.Tensor, v_flat: torch.Tensor, pieces: DecodePieces, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V ``[tokens, Hkv, D]`` of one request's pieces, in token order, in ``dtype``:
+    views of the pool for the runs, one gathered copy for the short runs."""
+    keys = [k_flat.narrow(0, start, length) for start, length in pieces.views]
+    values = [v_flat.narrow(0, start, length) for start, length in pieces.views]
+    if pieces.gathered is not None:
+        keys.append(k_flat.index_select(0, pieces.gathered))
+        values.append(v_flat.index_select(0, pieces.gathered))
+    if keys[0].dtype != dtype:
+        keys = [k.to(dtype) for k in keys]
+        values = [v.to(dtype) for v in values]
+    return keys, values
+
+
+def piece_scores(q: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
+    """q ``[Hkv, R, D]`` against key pieces ``[L_i, Hkv, D]`` -> scores ``[Hkv, R, sum L_i]``."""
+    if len(keys) == 1:
+        return torch.matmul(q, keys[0].permute(1, 2, 0))
+    return torch.cat([torch.matmul(q, k.permute(1, 2, 0)) for k in keys], dim=-1)
+
+
+def weighted_values(probs: torch.Tensor, values: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out = probs @ V`` with V given as pieces, each multiplied where it lies (no concat)."""
+    offset = 0
+    for i, v in enumerate(values):
+        p = probs.narrow(-1, offset, v.shape[0])
+        if i == 0:
+            torch.matmul(p, v.transpose(0, 1), out=out)
+        else:
+            out.baddbmm_(p, v.transpose(0, 1))
+        offset += v.shape[0]
+
+
 def attend_decode(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -107,31 +142,7 @@ def attend_decode(
     q = q * scale
     out = torch.empty_like(q)
     for b, req in enumerate(pieces):
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        for start, length in req.views:
-            keys.append(k_flat.narrow(0, start, length))
-            values.append(v_flat.narrow(0, start, length))
-        if req.gathered is not None:
-            keys.append(k_flat.index_select(0, req.gathered))
-            values.append(v_flat.index_select(0, req.gathered))
-        if keys[0].dtype != q.dtype:
-            keys = [k.to(q.dtype) for k in keys]
-            values = [v.to(q.dtype) for v in values]
-        qb = q[b]  # [Hkv, G, D]
-        if len(keys) == 1:
-            probs = torch.matmul(qb, keys[0].permute(1, 2, 0)).softmax(-1)
-            torch.matmul(probs, values[0].transpose(0, 1), out=out[b])
-            continue
-        scores = torch.cat([torch.matmul(qb, k.permute(1, 2, 0)) for k in keys], dim=-1)
-        probs = scores.softmax(-1)  # [Hkv, G, total tokens]
-        acc = out[b]
-        offset = 0
-        for i, v in enumerate(values):
-            p = probs.narrow(-1, offset, v.shape[0])
-            if i == 0:
-                torch.matmul(p, v.transpose(0, 1), out=acc)
-            else:
-                acc.baddbmm_(p, v.transpose(0, 1))
-            offset += v.shape[0]
+        keys, values = piece_tensors(k_flat, v_flat, req, q.dtype)
+        probs = piece_scores(q[b], keys).softmax(-1)  # [Hkv, G, total tokens]
+        weighted_values(probs, values, out[b])
     return out

@@ -8,16 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from decode_cases import decode_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.attention import cascade
 from engine.attention.cascade import attend_cascade, plan_cascade
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from scheduler.batch import Batch
-from scheduler.request import Request
 
 HQ, HKV, D = 6, 2, 16
 
@@ -147,28 +143,12 @@ def test_cascade_equals_plain_attention_for_any_trie_of_prefixes(
 
 def test_backend_decodes_a_shared_prefix_batch_through_the_cascade(make_entry: Any) -> None:
     """Through the backend: 6 decodes over one 320-token prefix equal plain attention."""
-    gen = torch.Generator().manual_seed(7)
-    page_size = 16
     prefix = list(range(20))
     tables = [prefix + [20 + 2 * i, 21 + 2 * i] for i in range(6)]
     lengths = [320 + 5 + 3 * i for i in range(6)]
-    pool = KVPool(1, 40, page_size, HKV, D)
-    pool.k_cache[0].normal_(generator=gen)
-    pool.v_cache[0].normal_(generator=gen)
-    entries = [
-        make_entry(Request(i, [0] * n, 4, output=[1]), [0], n - 1, t, page_size)
-        for i, (t, n) in enumerate(zip(tables, lengths))
-    ]
-    fb = ForwardBatch.from_batch(Batch(entries, page_size))
-    new_slots = torch.cat([torch.tensor(e.slots) for e in entries])
-    k, v = pool.k_flat(0)[new_slots].clone(), pool.v_flat(0)[new_slots].clone()
-    q = torch.randn(6, HQ, D, generator=gen)
-    backend = TorchAttentionBackend(HQ, HKV, D, torch.device("cpu"))
-    backend.plan(fb)
+    case = decode_case(make_entry, tables, lengths, 16, HQ, HKV, D, seed=7)
+    out, backend = case.run(HQ)
     (group,) = backend._groups
     assert group.cascade is not None and group.cascade.num_shared_tokens == 320
-    out = backend.run(0, q, k, v, pool)
-    for b, (table, n) in enumerate(zip(tables, lengths)):
-        slots = slots_of(table, n, page_size)
-        expected = reference(q[b], pool.k_flat(0)[slots], pool.v_flat(0)[slots])
-        torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
+    for b in range(len(tables)):
+        torch.testing.assert_close(out[b], case.expected(b), atol=1e-5, rtol=1e-5)

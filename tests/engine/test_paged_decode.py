@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from decode_cases import decode_case
 
 from engine.attention.paged_decode import attend_decode, split_into_pieces
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -171,27 +172,9 @@ def test_decodes_between_prefills_with_runs_of_pages_match_plain_attention(
 
 def test_one_query_head_per_kv_head_attends_in_place(make_entry: Any) -> None:
     """No grouped heads (Hq == Hkv): decodes still take the in-place path and stay exact."""
-    gen = torch.Generator().manual_seed(5)
-    page_size, heads = 4, 3
     tables = [[*range(0, 10), 40, 30], [*range(10, 20), 41]]
     lengths = [46, 41]
-    pool = KVPool(1, 48, page_size, heads, D)
-    pool.k_cache[0].normal_(generator=gen)
-    pool.v_cache[0].normal_(generator=gen)
-    entries = [
-        make_entry(Request(i, [0] * n, 4, output=[1]), [0], n - 1, t, page_size)
-        for i, (t, n) in enumerate(zip(tables, lengths))
-    ]
-    fb = ForwardBatch.from_batch(Batch(entries, page_size))
-    slots = [torch.tensor(e.slots) for e in entries]
-    k, v = pool.k_flat(0)[torch.cat(slots)].clone(), pool.v_flat(0)[torch.cat(slots)].clone()
-    q = torch.randn(2, heads, D, generator=gen)
-    backend = TorchAttentionBackend(heads, heads, D, torch.device("cpu"))
-    backend.plan(fb)
-    out = backend.run(0, q, k, v, pool)
-    for b, (table, n) in enumerate(zip(tables, lengths)):
-        idx = torch.tensor([table[t // page_size] * page_size + t % page_size for t in range(n)])
-        keys, values = pool.k_flat(0)[idx], pool.v_flat(0)[idx]
-        scores = torch.einsum("hd,khd->hk", q[b], keys) / D**0.5
-        expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
-        torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
+    case = decode_case(make_entry, tables, lengths, 4, 3, 3, D, seed=5)
+    out, _ = case.run(3)
+    for b in range(len(tables)):
+        torch.testing.assert_close(out[b], case.expected(b), atol=1e-5, rtol=1e-5)

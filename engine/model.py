@@ -26,9 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the reference does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in fp32 and cast back before the weight, as the reference does (the fused
+        # rms_norm computes x * rsqrt(mean(x^2) + eps), bit for bit the reference's formula).
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -82,29 +82,37 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to the model's context, looked up per token."""
+    """cos/sin tables for every position up to the model's context, looked up once per pass."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # Half-split layout: both halves of a head use the same angles, so one half is stored.
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` (half-split layout)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """cos and sin ``[T, 1, head_dim / 2]`` of each token's position."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``x`` ``[T, H, D]`` in place (half-split layout: pairs are (i, i + D/2)).
+
+    Equals transformers' ``x * cos + rotate_half(x) * sin`` without building ``rotate_half``.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    first = x1 * cos - x2 * sin
+    x2.mul_(cos).addcmul_(x1, sin)
+    x1.copy_(first)
 
 
 class Attention(nn.Module):
@@ -127,17 +135,18 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        # q and k sit side by side in each row of qkv: rotate both heads' sets in one pass.
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
+        apply_rope_(qk, *rope)
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].unflatten(-1, (self.num_kv_heads, self.head_dim))
         out = backend.run(self.layer, q, k, v, pool)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -151,7 +160,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -165,12 +174,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, pool)
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -192,10 +200,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """fp32 logits ``[len(logits_indices), vocab]``; K/V of all tokens lands in ``pool``."""
         backend.plan(forward_batch)
-        positions = forward_batch.positions
         x = self.embed_tokens(forward_batch.input_ids)
+        rope = self.rope.lookup(forward_batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, backend, pool)
+            x = layer(x, rope, backend, pool)
         x = self.norm(x.index_select(0, forward_batch.logits_indices))
         return self.lm_head(x).float()
 

@@ -24,6 +24,7 @@ from engine.prompts import encode_prompt, encode_text, split_prompts
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.stats import EngineStats
+from engine.threads import ThreadPolicy
 from engine.validation import check_fits, check_namespace, check_params, check_token_ids
 from radix import PageAllocator, RadixCache
 from scheduler import Request, Scheduler, SchedulerConfig
@@ -61,6 +62,9 @@ class Engine:
     then shared, not copied (``device``/``dtype`` are the loaded model's). The KV cache holds
     ``num_pages`` pages of ``page_size`` tokens, or as many as fit in ``kv_cache_bytes``.
     ``prefix_cache=False`` reuses nothing across requests (the baseline for benchmarks).
+    On the CPU, prefill-sized passes run on ``threads`` intra-op threads (None: torch's
+    default, the machine's cores) and decode steps on one, which is faster for their many
+    small ops; the engine sets torch's thread count from its loop thread for each pass.
     Further keyword arguments are other ``scheduler.SchedulerConfig`` fields (advanced tuning:
     ``group_min_tokens``, ``reserve_ratio_init``, ...).
     """
@@ -78,10 +82,12 @@ class Engine:
         policy: str = "lpm",
         prefix_cache: bool = True,
         backend: str = "auto",
+        threads: int | None = None,
         **scheduler_options: Any,
     ) -> None:
         # Every argument is checked before the (slow) model load.
         _check_engine_args(page_size, num_pages, kv_cache_bytes, prefix_cache)
+        thread_policy = ThreadPolicy.default(threads)
         sched_config = _scheduler_config(
             page_size, policy, max_batch_tokens, max_running,
             {**scheduler_options, "prefix_cache": prefix_cache},
@@ -99,7 +105,9 @@ class Engine:
             cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim,
             loaded.dtype, loaded.device,
         )
-        runner = ModelRunner(loaded, pool, backend=_resolve_backend(backend, loaded.device))
+        runner = ModelRunner(
+            loaded, pool, backend=_resolve_backend(backend, loaded.device), threads=thread_policy
+        )
         cache = RadixCache(page_size)
         allocator = PageAllocator(pages)
         scheduler = Scheduler(cache, allocator, sched_config)

@@ -11,14 +11,24 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
 from engine.loader import LoadedModel
 from engine.sampling import Sampler, SamplingParams
+from engine.threads import ThreadPolicy
 from scheduler.batch import Batch
 
 
 class ModelRunner:
-    """Runs ``loaded.model`` over a scheduler ``Batch`` with K/V in ``pool`` and samples."""
+    """Runs ``loaded.model`` over a scheduler ``Batch`` with K/V in ``pool`` and samples.
+
+    With a ``threads`` policy (CPU only), each pass sets torch's intra-op threads for its size;
+    without one, torch's setting is left alone.
+    """
 
     def __init__(
-        self, loaded: LoadedModel, pool: KVPool, backend: str = "torch", seed: int | None = None
+        self,
+        loaded: LoadedModel,
+        pool: KVPool,
+        backend: str = "torch",
+        seed: int | None = None,
+        threads: ThreadPolicy | None = None,
     ) -> None:
         cfg = loaded.config
         if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
@@ -37,6 +47,7 @@ class ModelRunner:
         self.pool = pool
         self.backend = create_backend(backend, cfg, loaded.device)
         self.sampler = Sampler(seed)
+        self.threads = threads if loaded.device.type == "cpu" else None
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -46,6 +57,8 @@ class ModelRunner:
                 f"page_size: batch has {batch.page_size}, pool has {self.pool.page_size}"
             )
         fb = ForwardBatch.from_batch(batch, self.loaded.device)
+        if self.threads is not None:
+            self.threads.apply(fb.num_tokens)
         vocab = self.loaded.config.vocab_size
         if fb.input_ids.numel() and (
             int(fb.input_ids.min()) < 0 or int(fb.input_ids.max()) >= vocab

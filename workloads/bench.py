@@ -154,7 +154,8 @@ def _run_config(loaded: Any, config: BenchConfig, trace: Trace, args: argparse.N
     from engine import Engine
 
     engine = Engine(model=loaded, page_size=args.page_size, num_pages=config.num_pages,
-                    policy=config.policy, prefix_cache=config.prefix_cache)
+                    policy=config.policy, prefix_cache=config.prefix_cache,
+                    threads=args.torch_threads)
     try:
         with _progress(trace.num_requests, desc, args.quiet) as bar:
             return run_trace(engine, trace, loaded.tokenizer, on_done=bar.update)
@@ -166,7 +167,8 @@ def _warm_up(loaded: Any, args: argparse.Namespace) -> None:
     """One small batch on a throwaway engine: first-call costs stay out of the timings."""
     from engine import Engine, SamplingParams
 
-    engine = Engine(model=loaded, page_size=args.page_size, num_pages=256)
+    engine = Engine(model=loaded, page_size=args.page_size, num_pages=256,
+                    threads=args.torch_threads)
     try:
         prompts = [[(i * 7919 + j * 104729) % 40000 + 100 for j in range(200 + 10 * i)]
                    for i in range(4)]
@@ -221,6 +223,9 @@ def bench_workload(workload: str, trace: Trace, loaded: Any, args: argparse.Name
     if baseline_model is not None and args.baseline_requests > 0:
         reference = (off or results[configs[0].name])[0]
         subset = _baseline_subset(reference, trace, args.baseline_requests)
+        import torch
+
+        torch.set_num_threads(args.torch_threads)  # the engines' loop changes it per pass
         with _progress(len(subset), f"{workload} transformers", args.quiet) as bar:
             base = run_baseline(baseline_model, subset, loaded.config.eos_token_ids, bar.update)
         by_prompt = {tuple(r.prompt_ids): r.output_ids for r in reference.records}
@@ -344,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    # The engines take this many threads for prefill (and one for decode steps, see
+    # engine.threads); transformers' baseline runs with all of them.
+    args.torch_threads = torch.get_num_threads()
 
     loaded = load_model(args.model, args.device, args.dtype)
     tokenizer = loaded.tokenizer

@@ -136,9 +136,9 @@ def main(argv: Sequence[str] | None = None) -> list[DemoRow]:
     p.add_argument("--dtype", default=None)
     p.add_argument("--doc-tokens", type=int, default=400)
     p.add_argument("--max-new-tokens", type=int, default=40)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: on this 2-core machine two torch threads "
-                        "beside the engine loop thread ran the demo 1.6x slower and erratically)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for prefill (0: the machine's cores); decode steps run "
+                        "on one thread either way (see engine/threads.py)")
     args = p.parse_args(argv)
 
     started = time.perf_counter()
@@ -147,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> list[DemoRow]:
     from engine import Engine, SamplingParams
     from engine.loader import load_model
 
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
 
     loaded = load_model(args.model, args.device, args.dtype)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
@@ -156,12 +158,13 @@ def main(argv: Sequence[str] | None = None) -> list[DemoRow]:
     conversations, questions = rag_prompts(args.doc_tokens, loaded.tokenizer)
     system = chat_system(args.doc_tokens, loaded.tokenizer)
 
-    with Engine(model=loaded, num_pages=64) as warm:  # first-call costs stay out of the timings
+    with Engine(model=loaded, num_pages=64, threads=threads) as warm:  # first-call costs stay out of the timings
         warm.generate([conversations[0]], SamplingParams(max_new_tokens=4, temperature=0.0))
     rows: list[DemoRow] = []
     answers: list[str] = []
     for cache in ("on", "off"):
-        with Engine(model=loaded, num_pages=1024, prefix_cache=cache == "on") as engine:
+        with Engine(model=loaded, num_pages=1024, prefix_cache=cache == "on",
+                    threads=threads) as engine:
             if cache == "on":
                 print("\n-- multi-turn chat (cache on) --")
             chat = run_chat(engine, system, params, show=cache == "on")

@@ -1,0 +1,48 @@
+"""The thread policy: the whole team for prefill-sized passes, one thread for decode steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.kv_pool import KVPool
+from engine.runner import ModelRunner
+from engine.threads import PARALLEL_MIN_TOKENS, ThreadPolicy
+from scheduler.batch import Batch
+from scheduler.request import Request
+
+
+def test_big_batches_get_every_thread_and_small_ones_one() -> None:
+    policy = ThreadPolicy(4)
+    assert policy.threads_for(PARALLEL_MIN_TOKENS) == 4
+    assert policy.threads_for(PARALLEL_MIN_TOKENS - 1) == 1
+    assert ThreadPolicy(1).threads_for(10_000) == 1
+
+
+@pytest.mark.parametrize("threads", [0, -2, 1.5])
+def test_bad_thread_counts_raise_value_error_naming_threads(threads: Any) -> None:
+    with pytest.raises(ValueError, match="threads"):
+        ThreadPolicy(threads)
+
+
+def test_engine_rejects_a_bad_thread_count_before_loading(make_engine: Any) -> None:
+    with pytest.raises(ValueError, match="threads"):
+        make_engine(num_pages=8, threads=0)
+
+
+def test_runner_sets_torch_threads_per_pass(loaded_fp32: Any, make_entry: Any) -> None:
+    cfg = loaded_fp32.config
+    pool = KVPool(cfg.num_layers, 32, 16, cfg.num_kv_heads, cfg.head_dim)
+    runner = ModelRunner(loaded_fp32, pool, threads=ThreadPolicy(2))
+    before = torch.get_num_threads()
+    try:
+        big = Request(0, list(range(100, 100 + PARALLEL_MIN_TOKENS)), 1)
+        runner.forward(Batch([make_entry(big, big.prompt, 0, list(range(8)), 16)], 16))
+        assert torch.get_num_threads() == 2
+        small = Request(1, list(range(100, 120)), 1)
+        runner.forward(Batch([make_entry(small, small.prompt, 0, [20, 21], 16)], 16))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

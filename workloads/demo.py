@@ -1,5 +1,9 @@
 """``make demo``: the bundled model serving a short chat and a RAG batch, cache on vs off.
 
+The chat is four users talking at once under one system prompt (instructions plus reference
+notes), three turns each: each turn reuses the user's earlier turns, every user reuses the
+system prompt, and their decode steps read it once per step (cascade attention).
+
 Prints a few answers, then a table of prompt tokens, cached tokens, hit rate, wall time and the
 speedup of the prefix cache over the same work with the cache off. Greedy decoding, so both
 engines give the same answers; the cache only changes how much prefill is computed.
@@ -21,10 +25,27 @@ CHAT_SYSTEM = (
     "You are a concise assistant for Python programmers. Answer in two or three sentences and "
     "name the standard-library functions you would use."
 )
-CHAT_TURNS = (
-    "How can I read a JSON file into a dictionary?",
-    "And how do I write it back with sorted keys and indentation?",
-    "What happens if the file contains a trailing comma?",
+CHAT_USERS = (
+    (
+        "How can I read a JSON file into a dictionary?",
+        "And how do I write it back with sorted keys and indentation?",
+        "What happens if the file contains a trailing comma?",
+    ),
+    (
+        "How do I turn a Python object into a JSON string?",
+        "Can I make the output compact, without spaces?",
+        "How do I serialise a datetime value?",
+    ),
+    (
+        "What does json.loads return for a JSON array?",
+        "How can I parse numbers as Decimal instead of float?",
+        "What error do I get for invalid JSON?",
+    ),
+    (
+        "Is the json module safe for untrusted input?",
+        "How do I read a file with one JSON object per line?",
+        "How can I pretty-print JSON from the command line?",
+    ),
 )
 RAG_SYSTEM = (
     "Answer the question using only the documentation below. Name the function you rely on."
@@ -77,20 +98,33 @@ def chat_system(doc_tokens: int, tokenizer: Any) -> str:
 
 
 def run_chat(engine: Any, system: str, params: Any, show: bool) -> DemoRow:
-    chat = engine.chat(system=system, params=params)
-    prompt = cached = 0
+    """Every user's session in its own thread (as a chat backend's handlers would call in);
+    prints the first user's turns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def converse(user: int) -> list[tuple[str, str, int, int]]:
+        chat = engine.chat(system=system, params=params)
+        turns = []
+        for text in CHAT_USERS[user]:
+            reply = chat.send(text)
+            out = chat.last_output
+            turns.append((text, reply, out.prompt_tokens, out.cached_tokens))
+        return turns
+
     started = time.perf_counter()
-    for text in CHAT_TURNS:
-        reply = chat.send(text)
-        out = chat.last_output
-        prompt += out.prompt_tokens
-        cached += out.cached_tokens
-        if show:
+    with ThreadPoolExecutor(len(CHAT_USERS)) as pool:
+        sessions = list(pool.map(converse, range(len(CHAT_USERS))))
+    wall = time.perf_counter() - started
+    if show:
+        for text, reply, prompt_tokens, cached_tokens in sessions[0]:
             print(f"  user: {text}")
             print(f"  assistant: {_short(reply)}")
-            print(f"    ({out.prompt_tokens} prompt tokens, {out.cached_tokens} from the cache)")
-    wall = time.perf_counter() - started
-    return DemoRow("chat, 3 turns", "", len(CHAT_TURNS), prompt, cached, wall)
+            print(f"    ({prompt_tokens} prompt tokens, {cached_tokens} from the cache)")
+    turns = [t for session in sessions for t in session]
+    return DemoRow(
+        f"chat, {len(CHAT_USERS)} users x {len(CHAT_USERS[0])} turns", "", len(turns),
+        sum(t[2] for t in turns), sum(t[3] for t in turns), wall,
+    )
 
 
 def rag_prompts(doc_tokens: int, tokenizer: Any) -> tuple[list[list[dict[str, str]]], list[str]]:
@@ -166,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> list[DemoRow]:
         with Engine(model=loaded, num_pages=1024, prefix_cache=cache == "on",
                     threads=threads) as engine:
             if cache == "on":
-                print("\n-- multi-turn chat (cache on) --")
+                print(f"\n-- multi-turn chat, {len(CHAT_USERS)} users at once (cache on); "
+                      "user 1 --")
             chat = run_chat(engine, system, params, show=cache == "on")
             rag, texts = run_rag(engine, conversations, params)
             chat.cache = rag.cache = cache

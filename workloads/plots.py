@@ -15,6 +15,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _config_names(report: Any) -> list[str]:
     names: list[str] = []
     for workload in report.workloads:
@@ -51,10 +58,7 @@ def plot_hit_rate(report: Any, path: Path) -> Path:
     ax.set_ylim(0, 100)
     ax.set_title(f"Hit rate per configuration (median of {report.repeats})")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_throughput(report: Any, path: Path) -> Path:
@@ -69,10 +73,7 @@ def plot_throughput(report: Any, path: Path) -> Path:
     ax.set_ylabel("prompt + output tokens / s")
     ax.set_title(f"Throughput per configuration (median of {report.repeats})")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_ttft(workload: Any, path: Path) -> Path:
@@ -84,10 +85,7 @@ def plot_ttft(workload: Any, path: Path) -> Path:
     ax.set_ylabel("share of requests")
     ax.set_title(f"TTFT distribution: {workload.workload}")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_plots(report: Any, folder: str | Path) -> list[Path]:

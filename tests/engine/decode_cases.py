@@ -70,3 +70,50 @@ def decode_case(
     q = torch.randn(len(tables), num_heads, head_dim, generator=gen)
     batch = ForwardBatch.from_batch(Batch(entries, page_size))
     return DecodeCase(tables, lengths, page_size, pool, batch, q, k, v)
+
+
+@dataclass
+class MixedRun:
+    """A batch of prefill chunks and decodes run through the backend, with every request's
+    full K/V (cached prefix + new tokens) to check the output against."""
+
+    batch: ForwardBatch
+    q: torch.Tensor  # [new tokens, Hq, D]
+    out: torch.Tensor
+    full_k: list[torch.Tensor]
+    full_v: list[torch.Tensor]
+
+
+def run_mixed_batch(
+    make_entry: Any,
+    shapes: list[tuple[int, int]],
+    tables: list[list[int]],
+    num_pages: int,
+    page_size: int,
+    heads: tuple[int, int, int],
+    gen: torch.Generator,
+) -> MixedRun:
+    """shapes: (cached prefix, new tokens) per request on pages ``tables``; the prefixes are
+    written into a fresh pool first, as a prefix-cache hit would have left them."""
+    num_heads, num_kv_heads, head_dim = heads
+    pool = KVPool(1, num_pages, page_size, num_kv_heads, head_dim)
+    entries, full_k, full_v = [], [], []
+    for i, ((start, n), table) in enumerate(zip(shapes, tables)):
+        k = torch.randn(start + n, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(start + n, num_kv_heads, head_dim, generator=gen)
+        req = Request(i, list(range(start + n)), 4, output=[1] if n == 1 and start > 0 else [])
+        if start:
+            slots = torch.tensor(make_entry(req, [0] * start, 0, table, page_size).slots)
+            pool.k_flat(0)[slots] = k[:start]
+            pool.v_flat(0)[slots] = v[:start]
+        entries.append(make_entry(req, [0] * n, start, table, page_size))
+        full_k.append(k)
+        full_v.append(v)
+    batch = ForwardBatch.from_batch(Batch(entries, page_size))
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen)
+    new_k = torch.cat([k[s:] for k, (s, _) in zip(full_k, shapes)])
+    new_v = torch.cat([v[s:] for v, (s, _) in zip(full_v, shapes)])
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, torch.device("cpu"))
+    backend.plan(batch)
+    out = backend.run(0, q, new_k, new_v, pool)
+    return MixedRun(batch, q, out, full_k, full_v)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from decode_cases import run_mixed_batch
 
 from engine.attention import create_backend
 from engine.attention.torch_backend import MAX_PADDING_RATIO, TorchAttentionBackend, _group_requests
@@ -37,34 +38,17 @@ def run_case(make_entry: Any, page_size: int, shapes: list[tuple[int, int]], see
     """shapes: (cached prefix length, new tokens) per request; checks every output row."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-(s + n) // page_size) for s, n in shapes) + 2
-    pool = KVPool(1, num_pages, page_size, HKV, D)
     free = random.Random(seed).sample(range(num_pages), num_pages)
-    entries, full_k, full_v = [], [], []
-    for i, (start, n) in enumerate(shapes):
+    tables = []
+    for start, n in shapes:
         need = -(-(start + n) // page_size)
-        pages, free = free[:need], free[need:]
-        k = torch.randn(start + n, HKV, D, generator=gen)
-        v = torch.randn(start + n, HKV, D, generator=gen)
-        req = Request(i, list(range(start + n)), 4, output=[1] if n == 1 and start > 0 else [])
-        if start:  # the cached prefix is already in the pool
-            prefix = make_entry(req, [0] * start, 0, pages, page_size)
-            slots = torch.tensor(prefix.slots)
-            pool.k_flat(0)[slots] = k[:start]
-            pool.v_flat(0)[slots] = v[:start]
-        entries.append(make_entry(req, [0] * n, start, pages, page_size))
-        full_k.append(k)
-        full_v.append(v)
-    fb = ForwardBatch.from_batch(Batch(entries, page_size))
-    q = torch.randn(fb.num_tokens, HQ, D, generator=gen)
-    new_k = torch.cat([k[s:] for k, (s, _) in zip(full_k, shapes)])
-    new_v = torch.cat([v[s:] for v, (s, _) in zip(full_v, shapes)])
-    backend = TorchAttentionBackend(HQ, HKV, D, torch.device("cpu"))
-    backend.plan(fb)
-    out = backend.run(0, q, new_k, new_v, pool)
+        tables.append(free[:need])
+        free = free[need:]
+    run = run_mixed_batch(make_entry, shapes, tables, num_pages, page_size, (HQ, HKV, D), gen)
     for b, (start, _) in enumerate(shapes):
-        lo, hi = int(fb.qo_indptr[b]), int(fb.qo_indptr[b + 1])
-        expected = reference_attention(q[lo:hi], full_k[b], full_v[b], start)
-        torch.testing.assert_close(out[lo:hi], expected, atol=1e-5, rtol=1e-5)
+        lo, hi = int(run.batch.qo_indptr[b]), int(run.batch.qo_indptr[b + 1])
+        expected = reference_attention(run.q[lo:hi], run.full_k[b], run.full_v[b], start)
+        torch.testing.assert_close(run.out[lo:hi], expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])

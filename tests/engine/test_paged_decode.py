@@ -8,14 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from decode_cases import decode_case
+from decode_cases import decode_case, run_mixed_batch
 
 from engine.attention.paged_decode import attend_decode, split_into_pieces
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from scheduler.batch import Batch
-from scheduler.request import Request
 
 HQ, HKV, D = 6, 2, 16
 
@@ -142,32 +137,13 @@ def test_decodes_between_prefills_with_runs_of_pages_match_plain_attention(
     shapes = [(0, 70), (100, 1), (64, 8), (90, 1)]  # (cached prefix, new tokens)
     lengths = [s + n for s, n in shapes]
     num_pages, tables = layout("private runs, interleaved tails", page_size, lengths)
-    pool = KVPool(1, num_pages, page_size, HKV, D)
-    entries, full_k, full_v = [], [], []
-    for i, ((start, n), table) in enumerate(zip(shapes, tables)):
-        k = torch.randn(start + n, HKV, D, generator=gen)
-        v = torch.randn(start + n, HKV, D, generator=gen)
-        req = Request(i, list(range(start + n)), 4, output=[1] if n == 1 else [])
-        if start:
-            slots = torch.tensor(make_entry(req, [0] * start, 0, table, page_size).slots)
-            pool.k_flat(0)[slots] = k[:start]
-            pool.v_flat(0)[slots] = v[:start]
-        entries.append(make_entry(req, [0] * n, start, table, page_size))
-        full_k.append(k)
-        full_v.append(v)
-    fb = ForwardBatch.from_batch(Batch(entries, page_size))
-    q = torch.randn(fb.num_tokens, HQ, D, generator=gen)
-    new_k = torch.cat([k[s:] for k, (s, _) in zip(full_k, shapes)])
-    new_v = torch.cat([v[s:] for v, (s, _) in zip(full_v, shapes)])
-    backend = TorchAttentionBackend(HQ, HKV, D, torch.device("cpu"))
-    backend.plan(fb)
-    out = backend.run(0, q, new_k, new_v, pool)
+    run = run_mixed_batch(make_entry, shapes, tables, num_pages, page_size, (HQ, HKV, D), gen)
     for b, (_, n) in enumerate(shapes):
         if n != 1:
             continue
-        row = int(fb.qo_indptr[b])
-        expected = reference(q[row], full_k[b], full_v[b])
-        torch.testing.assert_close(out[row], expected, atol=1e-5, rtol=1e-5)
+        row = int(run.batch.qo_indptr[b])
+        expected = reference(run.q[row], run.full_k[b], run.full_v[b])
+        torch.testing.assert_close(run.out[row], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_one_query_head_per_kv_head_attends_in_place(make_entry: Any) -> None:

@@ -17,6 +17,7 @@ from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
 from engine.model_config import ModelConfig
+from engine.rows import RowPadding
 
 
 class RMSNorm(nn.Module):
@@ -43,8 +44,15 @@ class Dense(nn.Module):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        # Set by LlamaModel.set_row_padding: rows are padded so every token's product runs in
+        # the same BLAS kernel whatever the batch (batch invariance); None: no padding.
+        self.row_padding: RowPadding | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_padding is not None:
+            m = x.shape[0]
+            y = torch.matmul(self.row_padding.pad_rows(x), self.weight_t)[:m]
+            return y if self.bias is None else y.add_(self.bias)
         if self.bias is None:
             return torch.matmul(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
@@ -194,6 +202,14 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(config)
         # Tied embeddings get a transposed copy here (Dense's layout), not a shared tensor.
         self.lm_head = Dense(config.hidden_size, config.vocab_size)
+        self.row_padding: RowPadding | None = None
+
+    def set_row_padding(self, padding: RowPadding | None) -> None:
+        """Pad the rows of every matrix product (batch-invariant mode) or not (None)."""
+        self.row_padding = padding
+        for module in self.modules():
+            if isinstance(module, Dense):
+                module.row_padding = padding
 
     def forward(
         self, forward_batch: ForwardBatch, pool: KVPool, backend: AttentionBackend

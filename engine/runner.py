@@ -45,7 +45,7 @@ class ModelRunner:
             raise ValueError(f"pool: on {pool.device}, model on {loaded.device}")
         self.loaded = loaded
         self.pool = pool
-        self.backend = create_backend(backend, cfg, loaded.device)
+        self.backend = create_backend(backend, cfg, loaded.device, loaded.model.row_padding)
         self.sampler = Sampler(seed)
         self.threads = threads if loaded.device.type == "cpu" else None
 

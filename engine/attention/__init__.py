@@ -6,12 +6,22 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.model_config import ModelConfig
+from engine.rows import RowPadding
 
 BACKENDS = ("torch",)
 
 
-def create_backend(name: str, config: ModelConfig, device: torch.device) -> AttentionBackend:
-    """The backend called ``name`` for a model of ``config`` on ``device``."""
+def create_backend(
+    name: str, config: ModelConfig, device: torch.device, padding: RowPadding | None = None
+) -> AttentionBackend:
+    """The backend called ``name`` for a model of ``config`` on ``device``; with ``padding``
+    (the measured row padding) the batch-invariant variant, without it the fastest one."""
+    if name == "torch" and padding is not None:
+        from engine.attention.exact_backend import ExactAttentionBackend
+
+        return ExactAttentionBackend(
+            config.num_heads, config.num_kv_heads, config.head_dim, device, padding
+        )
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 

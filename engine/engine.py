@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from engine.loader import LoadedModel, load_model
 from engine.loop import EngineLoop, RequestContext, RequestHook
 from engine.outputs import RequestOutput
 from engine.prompts import encode_prompt, encode_text, split_prompts
+from engine.rows import RowPadding
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.stats import EngineStats
@@ -65,6 +67,11 @@ class Engine:
     On the CPU, prefill-sized passes run on ``threads`` intra-op threads (None: torch's
     default, the machine's cores) and decode steps on one, which is faster for their many
     small ops; the engine sets torch's thread count from its loop thread for each pass.
+    ``batch_invariant=True`` (the default on the CPU) makes every greedy answer independent of
+    the batch it ran in, the cache (hit, miss, partial), prefill chunking, preemption, cascade
+    decode and the page size, in float32 and bfloat16 alike; ``False`` runs the older kernels,
+    which are exact only up to float rounding. ``dtype=None`` picks the faster of float32 and
+    bfloat16 as measured on this CPU (``engine.probe``, cached).
     Further keyword arguments are other ``scheduler.SchedulerConfig`` fields (advanced tuning:
     ``group_min_tokens``, ``reserve_ratio_init``, ...).
     """
@@ -83,6 +90,7 @@ class Engine:
         prefix_cache: bool = True,
         backend: str = "auto",
         threads: int | None = None,
+        batch_invariant: bool = True,
         **scheduler_options: Any,
     ) -> None:
         # Every argument is checked before the (slow) model load.
@@ -106,8 +114,13 @@ class Engine:
             loaded.dtype, loaded.device,
         )
         runner = ModelRunner(
-            loaded, pool, backend=_resolve_backend(backend, loaded.device), threads=thread_policy
+            loaded,
+            pool,
+            backend=_resolve_backend(backend, loaded.device),
+            threads=thread_policy,
+            row_padding=_row_padding(loaded, batch_invariant),
         )
+        self._batch_invariant = runner.row_padding is not None
         cache = RadixCache(page_size)
         allocator = PageAllocator(pages)
         scheduler = Scheduler(cache, allocator, sched_config)
@@ -149,6 +162,11 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def batch_invariant(self) -> bool:
+        """True when greedy answers cannot depend on the batch, the cache or the page size."""
+        return self._batch_invariant
 
     @property
     def dtype(self) -> torch.dtype:
@@ -527,6 +545,24 @@ def _machine_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 8 << 30
+
+
+def _row_padding(loaded: LoadedModel, batch_invariant: bool) -> RowPadding | None:
+    """The measured row padding that makes the model's passes batch-invariant on this CPU, or
+    None (not asked for; on CUDA, not built yet; a dtype the probe could not make exact)."""
+    if not batch_invariant or loaded.device.type != "cpu":
+        return None
+    from engine.probe import probe
+
+    name = str(loaded.dtype).removeprefix("torch.")
+    padding = probe().padding(name)
+    if padding is None:
+        warnings.warn(
+            f"batch_invariant: {name} products could not be made batch-invariant on this CPU; "
+            "greedy answers may depend on the batch and the cache",
+            stacklevel=3,
+        )
+    return padding
 
 
 def _check_backend(backend: str) -> None:

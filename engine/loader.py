@@ -97,15 +97,6 @@ def bf16_matmul_works() -> bool:
     return proc.returncode == 0
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True where bf16 beats fp32 on the CPU: usable AMX tiles. AVX512-BF16 alone is not
-    enough (measured here with AMX disabled: bf16 linear layers at 512 tokens ran at ~0.55x
-    the speed of fp32; only single-row products gained)."""
-    if "amx_bf16" not in _cpu_flags() or "ONEDNN_MAX_CPU_ISA" in os.environ:
-        return False
-    return bf16_matmul_works()
-
-
 def _check_cpu_bf16(dtype: torch.dtype, device: torch.device) -> None:
     """Refuse bf16/fp16 on a CPU whose advertised AMX would crash the process."""
     if device.type != "cpu" or dtype != torch.bfloat16 or "amx_tile" not in _cpu_flags():
@@ -120,16 +111,19 @@ def _check_cpu_bf16(dtype: torch.dtype, device: torch.device) -> None:
 def resolve_dtype(
     dtype: str | torch.dtype | None, device: str | torch.device | None = "cpu"
 ) -> torch.dtype:
-    """``None``/``"auto"``: bfloat16 on CUDA and on CPUs with usable AMX, float32 otherwise."""
+    """``None``/``"auto"``: bfloat16 on CUDA; on the CPU the faster of float32 and bfloat16 as
+    measured on this machine (``engine.probe``, remembered per CPU model and torch version)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype: unsupported {dtype} (float32, bfloat16, float16)")
         return dtype
     if dtype is None or dtype == "auto":
         dev = resolve_device(device)
-        if dev.type == "cuda" or cpu_has_fast_bf16():
+        if dev.type == "cuda":
             return torch.bfloat16
-        return torch.float32
+        from engine.probe import probe
+
+        return _DTYPES[probe().dtype]
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
     raise ValueError(f"dtype: unsupported {dtype!r} (float32, bfloat16, float16, auto)")

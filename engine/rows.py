@@ -17,7 +17,7 @@ import torch
 # Row counts at or above this are checked only by samples: past the small-M paths, the kernels
 # measured here block rows without changing a row's reduction over K.
 DEFAULT_CHECK_UP_TO = 64
-LARGE_SAMPLES = (65, 100, 127, 128, 129, 255, 256, 511, 512, 1000, 1023, 1024, 1025, 2049)
+LARGE_SAMPLES = (65, 127, 128, 129, 256, 257, 1000, 1025)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,11 @@ NO_PADDING = RowPadding()
 
 
 def _bad_rows(
-    dtype: torch.dtype, threads: tuple[int, ...], shapes: tuple[tuple[int, int], ...], up_to: int
+    dtype: torch.dtype,
+    threads: tuple[int, ...],
+    shapes: tuple[tuple[int, int], ...],
+    up_to: int,
+    large: tuple[int, ...],
 ) -> tuple[set[int], bool]:
     """Row counts in 1..up_to whose products differ from the big product's rows, and whether
     any sampled larger count differs (then padding cannot make products invariant)."""
@@ -72,7 +76,7 @@ def _bad_rows(
     try:
         for k, n in shapes:
             w = torch.randn(k, n, generator=gen).to(dtype)
-            x = torch.randn(max(LARGE_SAMPLES) + 1, k, generator=gen).to(dtype)
+            x = torch.randn(max(large, default=up_to) + 1, k, generator=gen).to(dtype)
             torch.set_num_threads(1)
             ref = torch.matmul(x, w)
             for t in threads:
@@ -80,7 +84,7 @@ def _bad_rows(
                 for m in counts:
                     if not torch.equal(torch.matmul(x[:m], w), ref[:m]):
                         bad.add(m)
-                for m in LARGE_SAMPLES:
+                for m in large:
                     if not torch.equal(torch.matmul(x[:m], w), ref[:m]):
                         large_bad = True
     finally:
@@ -93,13 +97,14 @@ def measure(
     threads: tuple[int, ...] = (1, 2),
     shapes: tuple[tuple[int, int], ...] = ((576, 960), (1536, 576), (64, 64), (64, 128)),
     up_to: int = DEFAULT_CHECK_UP_TO,
+    large: tuple[int, ...] = LARGE_SAMPLES,
 ) -> RowPadding | None:
     """The padding that makes fp32/bf16 products row-invariant on this machine, for every
     thread count in ``threads``; None when no padding does (a large count differs too).
 
     The shapes cover a linear layer's (K, N) and attention's (head_dim, keys) products.
     """
-    bad, large_bad = _bad_rows(dtype, threads, shapes, up_to)
+    bad, large_bad = _bad_rows(dtype, threads, shapes, up_to, large)
     if large_bad:
         return None
     if not bad:

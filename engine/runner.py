@@ -10,6 +10,7 @@ from engine.attention import create_backend
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
 from engine.loader import LoadedModel
+from engine.rows import RowPadding
 from engine.sampling import Sampler, SamplingParams
 from engine.threads import ThreadPolicy
 from scheduler.batch import Batch
@@ -19,7 +20,9 @@ class ModelRunner:
     """Runs ``loaded.model`` over a scheduler ``Batch`` with K/V in ``pool`` and samples.
 
     With a ``threads`` policy (CPU only), each pass sets torch's intra-op threads for its size;
-    without one, torch's setting is left alone.
+    without one, torch's setting is left alone. With ``row_padding`` (the padding measured for
+    the model's dtype) every pass is batch-invariant: matrix products run with padded row
+    counts and attention is ``engine.attention.exact``.
     """
 
     def __init__(
@@ -29,6 +32,7 @@ class ModelRunner:
         backend: str = "torch",
         seed: int | None = None,
         threads: ThreadPolicy | None = None,
+        row_padding: RowPadding | None = None,
     ) -> None:
         cfg = loaded.config
         if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
@@ -45,7 +49,8 @@ class ModelRunner:
             raise ValueError(f"pool: on {pool.device}, model on {loaded.device}")
         self.loaded = loaded
         self.pool = pool
-        self.backend = create_backend(backend, cfg, loaded.device, loaded.model.row_padding)
+        self.backend = create_backend(backend, cfg, loaded.device, row_padding)
+        self.row_padding = row_padding
         self.sampler = Sampler(seed)
         self.threads = threads if loaded.device.type == "cpu" else None
 
@@ -57,6 +62,8 @@ class ModelRunner:
                 f"page_size: batch has {batch.page_size}, pool has {self.pool.page_size}"
             )
         fb = ForwardBatch.from_batch(batch, self.loaded.device)
+        if self.loaded.model.row_padding is not self.row_padding:  # a model shared by engines
+            self.loaded.model.set_row_padding(self.row_padding)
         if self.threads is not None:
             self.threads.apply(fb.num_tokens)
         vocab = self.loaded.config.vocab_size

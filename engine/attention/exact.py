@@ -318,12 +318,12 @@ def attend_decode(
         qs = _pad_rows(qs, padding)
         s = _scores(qs, _upcast(run.gather.read(k_pages)), None)
         mx = s.amax(-1)[0, :, : m * g].view(hkv, m, g).transpose(0, 1)
-        row_max.index_reduce_(0, run.members, mx, "amax")
+        _max_into(row_max, run.members, mx)
         parts.append((s, qs, run))
     for tail in plan.tails:
         qt = _pad_rows(q.index_select(0, tail.rows), padding)
         s = _scores(qt, _upcast(tail.gather.read(k_pages)), tail.mask)
-        row_max.index_reduce_(0, tail.rows, s.amax(-1)[:, :, :g], "amax")
+        _max_into(row_max, tail.rows, s.amax(-1)[:, :, :g])
         parts.append((s, qt, tail))
 
     nb = plan.num_blocks
@@ -391,3 +391,8 @@ def attend_prefill(
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
+
+
+def _max_into(row_max: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``row_max[rows] = max(row_max[rows], values)``; rows are distinct within one call."""
+    row_max.index_copy_(0, rows, torch.maximum(row_max.index_select(0, rows), values))

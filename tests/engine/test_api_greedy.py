@@ -54,16 +54,16 @@ def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
 ) -> None:
     """Four questions under one ~400-token system prompt decode together: the shared prefix is
     attended once for all four (cascade) and the answers are still transformers' own."""
-    from engine.attention import torch_backend
+    from engine.attention import exact_backend
 
     calls = []
-    real = torch_backend.attend_cascade
+    real = exact_backend.attend_decode
 
     def counting(*args, **kwargs):
-        calls.append(args[3].num_shared_tokens)
+        calls.append(sum(run.gather.tokens for run in args[3].shared))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch_backend, "attend_cascade", counting)
+    monkeypatch.setattr(exact_backend, "attend_decode", counting)
     system = " ".join(
         f"Rule {i}: answer politely, cite the source, and keep each reply short." for i in range(28)
     )

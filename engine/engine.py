@@ -113,12 +113,14 @@ class Engine:
             cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim,
             loaded.dtype, loaded.device,
         )
+        row_padding, attention_padding = _row_paddings(loaded, batch_invariant)
         runner = ModelRunner(
             loaded,
             pool,
             backend=_resolve_backend(backend, loaded.device),
             threads=thread_policy,
-            row_padding=_row_padding(loaded, batch_invariant),
+            row_padding=row_padding,
+            attention_padding=attention_padding,
         )
         self._batch_invariant = runner.row_padding is not None
         cache = RadixCache(page_size)
@@ -547,22 +549,27 @@ def _machine_memory_bytes() -> int:
         return 8 << 30
 
 
-def _row_padding(loaded: LoadedModel, batch_invariant: bool) -> RowPadding | None:
-    """The measured row padding that makes the model's passes batch-invariant on this CPU, or
-    None (not asked for; on CUDA, not built yet; a dtype the probe could not make exact)."""
+def _row_paddings(
+    loaded: LoadedModel, batch_invariant: bool
+) -> tuple[RowPadding | None, RowPadding | None]:
+    """The measured row paddings that make passes batch-invariant on this CPU: for the model's
+    dtype and for float32 (attention's), or None (not asked for; on CUDA, not built yet; a
+    dtype the probe could not make exact)."""
     if not batch_invariant or loaded.device.type != "cpu":
-        return None
+        return None, None
     from engine.probe import probe
 
     name = str(loaded.dtype).removeprefix("torch.")
-    padding = probe().padding(name)
-    if padding is None:
+    result = probe()
+    padding, attention = result.padding(name), result.padding("float32")
+    if padding is None or attention is None:
         warnings.warn(
             f"batch_invariant: {name} products could not be made batch-invariant on this CPU; "
             "greedy answers may depend on the batch and the cache",
             stacklevel=3,
         )
-    return padding
+        return None, None
+    return padding, attention
 
 
 def _check_backend(backend: str) -> None:

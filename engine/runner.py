@@ -21,8 +21,9 @@ class ModelRunner:
 
     With a ``threads`` policy (CPU only), each pass sets torch's intra-op threads for its size;
     without one, torch's setting is left alone. With ``row_padding`` (the padding measured for
-    the model's dtype) every pass is batch-invariant: matrix products run with padded row
-    counts and attention is ``engine.attention.exact``.
+    the model's dtype) and ``attention_padding`` (for float32, attention's dtype) every pass is
+    batch-invariant: matrix products run with padded row counts and attention is
+    ``engine.attention.exact``.
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class ModelRunner:
         seed: int | None = None,
         threads: ThreadPolicy | None = None,
         row_padding: RowPadding | None = None,
+        attention_padding: RowPadding | None = None,
     ) -> None:
         cfg = loaded.config
         if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
@@ -49,7 +51,9 @@ class ModelRunner:
             raise ValueError(f"pool: on {pool.device}, model on {loaded.device}")
         self.loaded = loaded
         self.pool = pool
-        self.backend = create_backend(backend, cfg, loaded.device, row_padding)
+        self.backend = create_backend(
+            backend, cfg, loaded.device, None if row_padding is None else attention_padding
+        )
         self.row_padding = row_padding
         self.sampler = Sampler(seed)
         self.threads = threads if loaded.device.type == "cpu" else None

@@ -1,9 +1,12 @@
 """Micro-benchmark: our paged forward against transformers' own forward on the same inputs.
 
 ``python -m engine.bench`` prints prefill tokens/s (one request of 128/512/2048 tokens) and
-decode tokens/s (batch 1/8/32, 512 tokens of context each), ours beside transformers', as
-ratios. Configurations are interleaved and the median of repeats is quoted, because CPU speed
-drifts from minute to minute.
+decode tokens/s (batch 1/8/32, 512 tokens of context each) for our forward batch-invariant
+(``exact``, the default) and not (``fast``), beside transformers' and beside the case's floor:
+decode is bounded by reading the weights and the KV once per step at the measured memory
+bandwidth, prefill by its FLOPs at the measured matrix-product peak. Configurations are
+interleaved and the median of repeats is quoted, because CPU speed drifts from minute to
+minute.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from engine.kv_pool import KVPool
 from engine.loader import load_hf_reference, load_model
+from engine.probe import probe
 from engine.runner import ModelRunner
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request
@@ -27,12 +31,12 @@ from scheduler.request import Request
 @dataclass
 class Row:
     case: str
-    ours: float  # tokens/s
-    theirs: float
+    tokens: int
+    seconds: dict[str, float]  # median seconds per configuration
+    floor_s: float  # the machine's limit for this case
 
-    @property
-    def ratio(self) -> float:
-        return self.ours / self.theirs
+    def tok_s(self, name: str) -> float:
+        return self.tokens / self.seconds[name]
 
 
 def _entry(req: Request, ids: list[int], start: int, pages: list[int], ps: int) -> BatchEntry:
@@ -45,14 +49,23 @@ def _entry(req: Request, ids: list[int], start: int, pages: list[int], ps: int) 
 class OursCase:
     """Prefill or decode through ModelRunner.forward with a paged pool."""
 
-    def __init__(self, loaded: Any, page_size: int, num_tokens: int) -> None:
+    def __init__(
+        self, loaded: Any, page_size: int, num_tokens: int, exact: bool = True
+    ) -> None:
         cfg = loaded.config
         self.ps = page_size
         num_pages = -(-num_tokens // page_size) + 64
         pool = KVPool(
             cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
         )
-        self.runner = ModelRunner(loaded, pool)
+        found = probe()
+        name = str(loaded.dtype).removeprefix("torch.")
+        self.runner = ModelRunner(
+            loaded,
+            pool,
+            row_padding=found.padding(name) if exact else None,
+            attention_padding=found.padding("float32") if exact else None,
+        )
 
     def prefill(self, ids: list[int]) -> Callable[[], None]:
         req = Request(0, ids, 1)
@@ -113,24 +126,75 @@ def _timed(fn: Callable[[], None]) -> float:
 
 
 def measure(
-    pairs: list[tuple[str, int, Callable[[], None], Callable[[], None]]], repeats: int
+    cases: list[tuple[str, int, float, dict[str, Callable[[], None]]]], repeats: int
 ) -> list[Row]:
-    """Interleave ours/theirs per case and repeat; median seconds -> tokens/s."""
-    times: dict[str, tuple[list[float], list[float]]] = {c: ([], []) for c, *_ in pairs}
-    for _, _, ours, theirs in pairs:  # warm-up
-        ours()
-        theirs()
+    """Interleave the configurations of each case (rotating their order) and repeat; medians."""
+    times: dict[str, dict[str, list[float]]] = {
+        c: {name: [] for name in fns} for c, _, _, fns in cases
+    }
+    for _, _, _, fns in cases:  # warm-up
+        for fn in fns.values():
+            fn()
     for rep in range(repeats):
-        for case, _, ours, theirs in pairs:
-            first, second = (ours, theirs) if rep % 2 == 0 else (theirs, ours)
-            t1, t2 = _timed(first), _timed(second)
-            o, h = (t1, t2) if rep % 2 == 0 else (t2, t1)
-            times[case][0].append(o)
-            times[case][1].append(h)
+        for case, _, _, fns in cases:
+            names = list(fns)
+            names = names[rep % len(names) :] + names[: rep % len(names)]
+            for name in names:
+                times[case][name].append(_timed(fns[name]))
     return [
-        Row(case, n / statistics.median(times[case][0]), n / statistics.median(times[case][1]))
-        for case, n, _, _ in pairs
+        Row(case, n, {k: statistics.median(v) for k, v in times[case].items()}, floor)
+        for case, n, floor, _ in cases
     ]
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s one thread reads from memory (a sum over 512 MB: far past any cache)."""
+    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def matmul_peak(dtype: torch.dtype) -> float:
+    """FLOP/s of a large matrix product in ``dtype`` on the current threads."""
+    a = torch.randn(1024, 576).to(dtype)
+    b = torch.randn(576, 3072).to(dtype)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * 1024 * 576 * 3072 / best
+
+
+def model_bytes(loaded: Any) -> int:
+    """Bytes a decode step must read once: every linear weight, the LM head included."""
+    total = 0
+    for name, p in loaded.model.named_parameters():
+        if "embed_tokens" not in name:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(loaded: Any, tokens: int) -> int:
+    cfg = loaded.config
+    item = torch.empty((), dtype=loaded.dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item * tokens
+
+
+def prefill_flops(loaded: Any, n: int) -> float:
+    """Linear layers for n tokens (LM head for the last one) plus causal attention."""
+    cfg = loaded.config
+    linear = 0
+    for name, p in loaded.model.named_parameters():
+        if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name:
+            linear += p.numel()
+    head = cfg.vocab_size * cfg.hidden_size
+    attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+    return 2 * linear * n + 2 * head + attention
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,55 +207,66 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-transformers", action="store_true", help="skip the reference")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(None, "cpu", args.dtype)
-    hf = load_hf_reference().to(loaded.dtype)
+    hf = None if args.no_transformers else load_hf_reference().to(loaded.dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
 
     def rand_ids(n: int) -> list[int]:
         return torch.randint(100, vocab, (n,), generator=gen).tolist()
 
-    pairs: list[tuple[str, int, Callable[[], None], Callable[[], None]]] = []
+    bandwidth = memory_bandwidth()
+    peak = matmul_peak(loaded.dtype)
+    weights = model_bytes(loaded)
+    cases: list[tuple[str, int, float, dict[str, Callable[[], None]]]] = []
     need = max([*args.prefill, 0]) + max([*args.decode_batch, 0]) * (
         args.context + args.decode_steps
     )
-    ours = OursCase(loaded, args.page_size, need)
+    exact = OursCase(loaded, args.page_size, need, exact=True)
+    fast = OursCase(loaded, args.page_size, need, exact=False)
+    steps = args.decode_steps
     with torch.inference_mode():
         for n in args.prefill:
             ids = rand_ids(n)
-            pairs.append((f"prefill {n}", n, ours.prefill(ids), hf_prefill(hf, ids)))
-        base = OursCase(
-            loaded,
-            args.page_size,
-            max([*args.decode_batch, 1]) * (args.context + args.decode_steps),
-        )
+            fns = {"exact": exact.prefill(ids), "fast": fast.prefill(ids)}
+            if not args.no_transformers:
+                fns["transformers"] = hf_prefill(hf, ids)
+            cases.append((f"prefill {n}", n, prefill_flops(loaded, n) / peak, fns))
         for b in args.decode_batch:
             ctx = [rand_ids(args.context) for _ in range(b)]
-            steps = args.decode_steps
-            case = (
-                OursCase(loaded, args.page_size, b * (args.context + steps))
-                if b != max(args.decode_batch)
-                else base
-            )
-            pairs.append(
-                (
-                    f"decode b={b} ctx={args.context}",
-                    b * steps,
-                    case.decode(ctx, steps),
-                    hf_decode(hf, ctx, steps),
-                )
-            )
-        rows = measure(pairs, args.repeats)
+            fns = {
+                "exact": OursCase(loaded, args.page_size, b * (args.context + steps)).decode(
+                    ctx, steps
+                ),
+                "fast": OursCase(
+                    loaded, args.page_size, b * (args.context + steps), exact=False
+                ).decode(ctx, steps),
+            }
+            if not args.no_transformers:
+                fns["transformers"] = hf_decode(hf, ctx, steps)
+            step_bytes = weights + kv_bytes(loaded, b * (args.context + steps // 2))
+            floor = steps * step_bytes / bandwidth
+            cases.append((f"decode b={b} ctx={args.context}", b * steps, floor, fns))
+        rows = measure(cases, args.repeats)
     print(
         f"engine.bench: dtype={loaded.dtype}, threads={torch.get_num_threads()}, "
-        f"page_size={args.page_size}, median of {args.repeats} interleaved repeats"
+        f"page_size={args.page_size}, median of {args.repeats} interleaved repeats; "
+        f"measured: memory {bandwidth / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.1f} GFLOP/s"
     )
-    print(f"{'case':<24}{'ours tok/s':>12}{'transformers tok/s':>20}{'ratio':>8}")
+    names = list(rows[0].seconds)
+    header = "".join(f"{n + ' tok/s':>20}" for n in names)
+    print(f"{'case':<22}{header}{'floor tok/s':>14}{'exact/floor':>13}{'exact/fast':>12}")
     for r in rows:
-        print(f"{r.case:<24}{r.ours:>12.1f}{r.theirs:>20.1f}{r.ratio:>8.2f}")
+        vals = "".join(f"{r.tok_s(n):>20.1f}" for n in names)
+        floor_tok_s = r.tokens / r.floor_s
+        print(
+            f"{r.case:<22}{vals}{floor_tok_s:>14.1f}"
+            f"{r.seconds['exact'] / r.floor_s:>12.2f}x{r.tok_s('exact') / r.tok_s('fast'):>12.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,9 +49,7 @@ def _entry(req: Request, ids: list[int], start: int, pages: list[int], ps: int) 
 class OursCase:
     """Prefill or decode through ModelRunner.forward with a paged pool."""
 
-    def __init__(
-        self, loaded: Any, page_size: int, num_tokens: int, exact: bool = True
-    ) -> None:
+    def __init__(self, loaded: Any, page_size: int, num_tokens: int, exact: bool = True) -> None:
         cfg = loaded.config
         self.ps = page_size
         num_pages = -(-num_tokens // page_size) + 64

@@ -67,7 +67,9 @@ def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, ob
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     weights = [
-        torch.randn(k, n, generator=gen).to(dt) for _ in range(PROBE_LAYERS) for k, n in LAYER_SHAPES
+        torch.randn(k, n, generator=gen).to(dt)
+        for _ in range(PROBE_LAYERS)
+        for k, n in LAYER_SHAPES
     ]
 
     def timed(m: int, threads: int) -> float:
@@ -87,8 +89,9 @@ def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, ob
     if limit_s is not None and decode_s > limit_s:
         # Not a candidate for speed; its padding is still measured (cheaply), so that an
         # explicit dtype= of it is exact too.
-        padding = rows.measure(dt, threads=threads, shapes=LAYER_SHAPES[:1] + ((64, 64),),
-                               up_to=16, large=(65, 257))
+        padding = rows.measure(
+            dt, threads=threads, shapes=LAYER_SHAPES[:1] + ((64, 64),), up_to=16, large=(65, 257)
+        )
         return {
             "decode_s": decode_s,
             "prefill_s": float("inf"),
@@ -103,9 +106,7 @@ def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, ob
     }
 
 
-def run_child(
-    dtype: str, limit_s: float | None = None, code: str = _CHILD
-) -> DtypeReport | None:
+def run_child(dtype: str, limit_s: float | None = None, code: str = _CHILD) -> DtypeReport | None:
     """``measure_in_process(dtype)`` in a child process; None if it crashes or hangs."""
     try:
         proc = subprocess.run(
@@ -162,11 +163,15 @@ def machine_key() -> str:
 def _to_json(result: ProbeResult) -> dict[str, object]:
     reports: dict[str, object] = {}
     for name, r in result.reports.items():
-        reports[name] = None if r is None else {
-            "decode_s": r.decode_s,
-            "prefill_s": r.prefill_s,
-            "padding": None if r.padding is None else r.padding.to_json(),
-        }
+        reports[name] = (
+            None
+            if r is None
+            else {
+                "decode_s": r.decode_s,
+                "prefill_s": r.prefill_s,
+                "padding": None if r.padding is None else r.padding.to_json(),
+            }
+        )
     return {"dtype": result.dtype, "reports": reports, "torch": torch.__version__}
 
 

@@ -177,7 +177,11 @@ def plan_decode(
 
     shared = []
     for rs, a, b in runs:
-        index = [i for blk in range(a, b) for i in _block_index(tables[rs[0]], kv_lens[rs[0]], blk, page_size)]
+        index = [
+            i
+            for blk in range(a, b)
+            for i in _block_index(tables[rs[0]], kv_lens[rs[0]], blk, page_size)
+        ]
         members = torch.tensor(rs, dtype=torch.int64, device=device)
         shared.append(SharedRun(members, len(rs), a, _gather([index], b - a, page_size, device)))
 
@@ -201,9 +205,9 @@ def _group_tails(tail_blocks: list[int]) -> list[list[int]]:
     groups: list[list[int]] = []
     total = 0
     for r in order:
-        if groups and tail_blocks[groups[-1][0]] * (len(groups[-1]) + 1) <= MAX_TAIL_PADDING_RATIO * (
-            total + tail_blocks[r]
-        ):
+        if groups and tail_blocks[groups[-1][0]] * (
+            len(groups[-1]) + 1
+        ) <= MAX_TAIL_PADDING_RATIO * (total + tail_blocks[r]):
             groups[-1].append(r)
             total += tail_blocks[r]
         else:

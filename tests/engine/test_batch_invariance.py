@@ -58,8 +58,14 @@ def last_logits(
             if step < len(chunks):
                 last = step == len(chunks) - 1
                 entries.append(
-                    make_entry(Request(f"r{r}", chunks[step], 1), chunks[step], done[r],
-                               tables[r], page_size, last)
+                    make_entry(
+                        Request(f"r{r}", chunks[step], 1),
+                        chunks[step],
+                        done[r],
+                        tables[r],
+                        page_size,
+                        last,
+                    )
                 )
                 owners.append(r)
                 done[r] += len(chunks[step])
@@ -109,10 +115,16 @@ def test_greedy_answers_do_not_depend_on_cache_batch_chunking_pages_or_preemptio
     configs = {
         "cache on, batched": warm,
         "cache off, batched": make_engine(prefix_cache=False),
-        "page size 1, 32-token chunks": make_engine(page_size=1, max_batch_tokens=32, max_running=16),
+        "page size 1, 32-token chunks": make_engine(
+            page_size=1, max_batch_tokens=32, max_running=16
+        ),
         "tiny pool": make_engine(
-            page_size=4, num_pages=84, max_running=16,
-            reserve_ratio_init=0.0, reserve_margin=0.0, reserve_ratio_min=0.0,
+            page_size=4,
+            num_pages=84,
+            max_running=16,
+            reserve_ratio_init=0.0,
+            reserve_margin=0.0,
+            reserve_ratio_min=0.0,
         ),
     }
     for name, eng in configs.items():

@@ -62,9 +62,14 @@ def test_an_explicit_dtype_overrides_the_probe() -> None:
 
 @pytest.mark.parametrize(
     ("padding", "m", "want"),
-    [(RowPadding((4, 8), 12), 1, 4), (RowPadding((4, 8), 12), 5, 8),
-     (RowPadding((4, 8), 12), 9, 12), (RowPadding((4, 8), 12), 300, 300),
-     (RowPadding(), 3, 3), (RowPadding((4, 8), 12), 0, 0)],
+    [
+        (RowPadding((4, 8), 12), 1, 4),
+        (RowPadding((4, 8), 12), 5, 8),
+        (RowPadding((4, 8), 12), 9, 12),
+        (RowPadding((4, 8), 12), 300, 300),
+        (RowPadding(), 3, 3),
+        (RowPadding((4, 8), 12), 0, 0),
+    ],
 )
 def test_row_padding_rounds_up_to_a_safe_row_count(padding: RowPadding, m: int, want: int) -> None:
     assert padding.pad(m) == want

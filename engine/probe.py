@@ -48,6 +48,24 @@ class DtypeReport:
     prefill_s: float
     padding: RowPadding | None  # None: its products cannot be made batch-invariant
 
+    def to_json(self) -> dict[str, object]:
+        return {
+            "decode_s": self.decode_s,
+            "prefill_s": self.prefill_s,
+            "padding": None if self.padding is None else self.padding.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> DtypeReport:
+        padding = data["padding"]
+        if padding is not None and not isinstance(padding, dict):
+            raise ValueError(f"probe: malformed padding {padding!r}")
+        return cls(
+            float(data["decode_s"]),  # type: ignore[arg-type]
+            float(data["prefill_s"]),  # type: ignore[arg-type]
+            None if padding is None else RowPadding.from_json(padding),
+        )
+
 
 @dataclass(frozen=True)
 class ProbeResult:
@@ -92,19 +110,9 @@ def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, ob
         padding = rows.measure(
             dt, threads=threads, shapes=LAYER_SHAPES[:1] + ((64, 64),), up_to=16, large=(65, 257)
         )
-        return {
-            "decode_s": decode_s,
-            "prefill_s": float("inf"),
-            "padding": None if padding is None else padding.to_json(),
-        }
+        return DtypeReport(decode_s, float("inf"), padding).to_json()
     prefill_s = timed(PREFILL_ROWS, cores)
-    padding = rows.measure(dt, threads=threads)
-    return {
-        "decode_s": decode_s,
-        "prefill_s": prefill_s,
-        "padding": None if padding is None else padding.to_json(),
-    }
-
+    return DtypeReport(decode_s, prefill_s, rows.measure(dt, threads=threads)).to_json()
 
 def run_child(dtype: str, limit_s: float | None = None, code: str = _CHILD) -> DtypeReport | None:
     """``measure_in_process(dtype)`` in a child process; None if it crashes or hangs."""
@@ -120,13 +128,7 @@ def run_child(dtype: str, limit_s: float | None = None, code: str = _CHILD) -> D
     if proc.returncode != 0:
         return None
     try:
-        data = json.loads(proc.stdout.strip().splitlines()[-1])
-        padding = data["padding"]
-        return DtypeReport(
-            float(data["decode_s"]),
-            float(data["prefill_s"]),
-            None if padding is None else RowPadding.from_json(padding),
-        )
+        return DtypeReport.from_json(json.loads(proc.stdout.strip().splitlines()[-1]))
     except (ValueError, KeyError, IndexError, TypeError):
         return None
 
@@ -161,35 +163,15 @@ def machine_key() -> str:
 
 
 def _to_json(result: ProbeResult) -> dict[str, object]:
-    reports: dict[str, object] = {}
-    for name, r in result.reports.items():
-        reports[name] = (
-            None
-            if r is None
-            else {
-                "decode_s": r.decode_s,
-                "prefill_s": r.prefill_s,
-                "padding": None if r.padding is None else r.padding.to_json(),
-            }
-        )
+    reports = {name: None if r is None else r.to_json() for name, r in result.reports.items()}
     return {"dtype": result.dtype, "reports": reports, "torch": torch.__version__}
 
 
 def _from_json(data: dict[str, object]) -> ProbeResult:
-    reports: dict[str, DtypeReport | None] = {}
     raw = data["reports"]
     if not isinstance(raw, dict):
         raise ValueError("probe cache: reports is not a mapping")
-    for name, r in raw.items():
-        if r is None:
-            reports[name] = None
-            continue
-        padding = r["padding"]
-        reports[name] = DtypeReport(
-            float(r["decode_s"]),
-            float(r["prefill_s"]),
-            None if padding is None else RowPadding.from_json(padding),
-        )
+    reports = {name: None if r is None else DtypeReport.from_json(r) for name, r in raw.items()}
     dtype = data["dtype"]
     if dtype not in DTYPES:
         raise ValueError(f"probe cache: unknown dtype {dtype!r}")

@@ -36,13 +36,15 @@ class RowPadding:
                 return g
         return self.min_any
 
-    def pad_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` with rows appended (copies of row 0) up to ``pad(len(x))``."""
-        m = x.shape[0]
+    def pad_rows(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``x`` with rows along ``dim`` appended (copies of row 0) up to ``pad(rows)``."""
+        m = x.shape[dim]
         extra = self.pad(m) - m
         if extra == 0:
             return x
-        return torch.cat([x, x[:1].expand(extra, *x.shape[1:])])
+        shape = list(x.shape)
+        shape[dim] = extra
+        return torch.cat([x, x.narrow(dim, 0, 1).expand(shape)], dim=dim)
 
     def to_json(self) -> dict[str, object]:
         return {"good": list(self.good), "min_any": self.min_any}

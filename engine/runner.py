@@ -66,7 +66,7 @@ class ModelRunner:
                 f"page_size: batch has {batch.page_size}, pool has {self.pool.page_size}"
             )
         fb = ForwardBatch.from_batch(batch, self.loaded.device)
-        if self.loaded.model.row_padding is not self.row_padding:  # a model shared by engines
+        if self.loaded.model.row_padding != self.row_padding:  # a model shared by engines
             self.loaded.model.set_row_padding(self.row_padding)
         if self.threads is not None:
             self.threads.apply(fb.num_tokens)

@@ -13,6 +13,7 @@ log-sum-exp, which is exact (the same softmax over the union of the keys).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,26 +87,9 @@ def plan_cascade(
     if n < 2:
         return None
     full = [kv // page_size for kv in kv_lens]
-    tail_start = [0] * n  # page index where each request's tail begins
-    segments: list[tuple[list[int], int, int]] = []  # (members, first page, end page)
-    stack: list[tuple[list[int], int]] = [(list(range(n)), 0)]
-    while stack:
-        members, depth = stack.pop()
-        by_page: dict[int, list[int]] = {}
-        for r in members:
-            if full[r] > depth:
-                by_page.setdefault(tables[r][depth], []).append(r)
-            else:
-                tail_start[r] = depth
-        for rs in by_page.values():
-            if len(rs) > 1:
-                end = _common_run_end(tables, rs, depth, min(full[r] for r in rs))
-                if (len(rs) - 1) * (end - depth) * page_size >= min_saved_tokens:
-                    segments.append((rs, depth, end))
-                    stack.append((rs, end))
-                    continue
-            for r in rs:
-                tail_start[r] = depth
+    segments, tail_start = shared_runs(
+        [t[:f] for t, f in zip(tables, full)], page_size, min_saved_tokens
+    )
     if not segments:
         return None
 
@@ -148,6 +132,39 @@ def plan_cascade(
     return CascadePlan(shared, tails, tail_part, part_owner, len(owner))
 
 
+def shared_runs(
+    keys: list[Sequence[Hashable]], unit_tokens: int, min_saved_tokens: int
+) -> tuple[list[tuple[list[int], int, int]], list[int]]:
+    """A trie over the requests' storage units (``keys[r]``: request r's full pages or blocks,
+    in order): runs ``(members, first unit, end unit)`` that several requests hold at the same
+    positions and that spare at least ``min_saved_tokens`` reads, and per request the unit
+    where its own tail begins."""
+    tail_start = [0] * len(keys)
+    runs: list[tuple[list[int], int, int]] = []
+    stack: list[tuple[list[int], int]] = [(list(range(len(keys))), 0)]
+    while stack:
+        members, depth = stack.pop()
+        by_key: dict[Hashable, list[int]] = {}
+        for r in members:
+            if len(keys[r]) > depth:
+                by_key.setdefault(keys[r][depth], []).append(r)
+            else:
+                tail_start[r] = depth
+        for rs in by_key.values():
+            if len(rs) > 1:
+                limit = min(len(keys[r]) for r in rs)
+                end = depth + 1
+                while end < limit and all(keys[r][end] == keys[rs[0]][end] for r in rs[1:]):
+                    end += 1
+                if (len(rs) - 1) * (end - depth) * unit_tokens >= min_saved_tokens:
+                    runs.append((rs, depth, end))
+                    stack.append((rs, end))
+                    continue
+            for r in rs:
+                tail_start[r] = depth
+    return runs, tail_start
+
+
 def _worth_batching(tail_lens: list[int]) -> bool:
     longest = max(tail_lens)
     return longest <= MAX_BATCHED_TAIL_TOKENS and longest * len(
@@ -180,16 +197,6 @@ def _batch_tails(
         bias = bias[None, :, None, :]
     rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
     return BatchedTails(rows_t, pages, bias, page_size, 0)
-
-
-def _common_run_end(tables: list[list[int]], members: list[int], depth: int, limit: int) -> int:
-    """The first page index in ``depth..limit`` where the members' page ids differ."""
-    first = tables[members[0]]
-    others = [tables[r] for r in members[1:]]
-    end = depth + 1
-    while end < limit and all(t[end] == first[end] for t in others):
-        end += 1
-    return end
 
 
 def _page_runs(pages: list[int], page_size: int) -> list[tuple[int, int]]:

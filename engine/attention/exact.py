@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.cascade import shared_runs
 from engine.rows import RowPadding
 
 BLOCK = 64  # tokens per key block: the fixed unit of every reduction over keys
@@ -70,6 +71,7 @@ class SharedRun:
     num_members: int
     first_block: int
     gather: KeyGather  # one unit
+    at: torch.Tensor | None = None  # int64 [members * blocks]: rows of the plan's fold
 
 
 @dataclass
@@ -80,6 +82,7 @@ class TailGroup:
     first_block: torch.Tensor  # int64 per row: the absolute index of its first tail block
     gather: KeyGather  # one unit per row
     mask: torch.Tensor | None  # bool [rows, 1, 1, tokens]: True where a key is past the query
+    at: torch.Tensor | None = None  # int64 [rows * blocks]: rows of the plan's fold
 
 
 @dataclass
@@ -91,9 +94,15 @@ class DecodePlan:
     tails: list[TailGroup]
     num_blocks: int  # blocks of the longest request, padding included
 
-    @property
-    def size(self) -> int:
-        return int(self.tokens.numel())
+
+@dataclass
+class PrefillTile:
+    """Queries ``[a, b)`` of a chunk: they see at most ``length`` keys (whole blocks)."""
+
+    a: int
+    b: int
+    length: int
+    mask: torch.Tensor  # bool [1, 1, padded rows, length]: True where a key is past the query
 
 
 @dataclass
@@ -101,8 +110,8 @@ class PrefillPlan:
     """Several queries of one request (a prefill chunk), attended in tiles of tokens."""
 
     tokens: tuple[int, int]  # [a, b) in the pass's flat q
-    start_pos: int  # absolute position of the first query
     gather: KeyGather  # one unit: every block up to the last query's position
+    tiles: list[PrefillTile]
 
 
 def _block_index(pages: list[int], kv_len: int, block: int, page_size: int) -> list[int]:
@@ -148,33 +157,11 @@ def plan_decode(
 ) -> DecodePlan:
     """Split a decode group's blocks into shared runs (a trie over block storage) and tails."""
     n = len(tables)
-    full = [kv // BLOCK for kv in kv_lens]
-    keys = [[_block_key(t, b, page_size) for b in range(f)] for t, f in zip(tables, full)]
-    tail_start = [0] * n
-    runs: list[tuple[list[int], int, int]] = []
-    stack: list[tuple[list[int], int]] = [(list(range(n)), 0)]
-    while stack:
-        members, depth = stack.pop()
-        by_key: dict[tuple[int, ...], list[int]] = {}
-        for r in members:
-            key = keys[r][depth] if full[r] > depth else None
-            if key is None:
-                tail_start[r] = depth
-            else:
-                by_key.setdefault(key, []).append(r)
-        for rs in by_key.values():
-            if len(rs) > 1:
-                limit = min(full[r] for r in rs)
-                end = depth + 1
-                while end < limit and all(keys[r][end] == keys[rs[0]][end] for r in rs[1:]):
-                    end += 1
-                if (len(rs) - 1) * (end - depth) * BLOCK >= min_saved_tokens:
-                    runs.append((rs, depth, end))
-                    stack.append((rs, end))
-                    continue
-            for r in rs:
-                tail_start[r] = depth
-
+    keys: list[list[tuple[int, ...]]] = []
+    for t, kv in zip(tables, kv_lens):
+        full = [_block_key(t, b, page_size) for b in range(kv // BLOCK)]
+        keys.append([k for k in full if k is not None])
+    runs, tail_start = shared_runs(keys, BLOCK, min_saved_tokens)
     shared = []
     for rs, a, b in runs:
         index = [
@@ -193,9 +180,17 @@ def plan_decode(
     ]
     ends = [tail_start[r] + t.gather.blocks for t, rows in zip(tails, groups) for r in rows]
     ends += [s.first_block + s.gather.blocks for s in shared]
-    return DecodePlan(
-        torch.tensor(tokens, dtype=torch.int64, device=device), shared, tails, max(ends)
-    )
+    nb = max(ends)
+    for run in shared:
+        run.at = _fold_rows(run.members * nb + run.first_block, run.gather.blocks)
+    for tail in tails:
+        tail.at = _fold_rows(tail.rows * nb + tail.first_block, tail.gather.blocks)
+    return DecodePlan(torch.tensor(tokens, dtype=torch.int64, device=device), shared, tails, nb)
+
+
+def _fold_rows(first: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Rows ``first[i] + j`` (j < blocks) of a ``[requests * num_blocks]`` fold, flattened."""
+    return (first[:, None] + torch.arange(blocks, device=first.device)[None, :]).reshape(-1)
 
 
 def _group_tails(tail_blocks: list[int]) -> list[list[int]]:
@@ -246,12 +241,29 @@ def _tail_group(
 
 
 def plan_prefill(
-    tokens: tuple[int, int], pages: list[int], kv_len: int, page_size: int, device: torch.device
+    tokens: tuple[int, int],
+    pages: list[int],
+    kv_len: int,
+    page_size: int,
+    group: int,
+    padding: RowPadding,
+    device: torch.device,
 ) -> PrefillPlan:
+    """Keys and per-tile causal masks of a chunk whose queries each stand for ``group`` rows
+    (query heads per KV head); rows are padded as ``padding`` pads them."""
     blocks = -(-kv_len // BLOCK)
     index = [i for blk in range(blocks) for i in _block_index(pages, kv_len, blk, page_size)]
-    start = kv_len - (tokens[1] - tokens[0])
-    return PrefillPlan(tokens, start, _gather([index], blocks, page_size, device))
+    count = tokens[1] - tokens[0]
+    start = kv_len - count
+    tiles = []
+    for a in range(0, count, PREFILL_TILE_TOKENS):
+        b = min(count, a + PREFILL_TILE_TOKENS)
+        length = ((start + b - 1) // BLOCK + 1) * BLOCK
+        pos = start + a + torch.arange((b - a) * group, device=device) // group
+        pos = padding.pad_rows(pos)  # padded rows copy the first query's position
+        mask = torch.arange(length, device=device)[None, :] > pos[:, None]
+        tiles.append(PrefillTile(a, b, length, mask[None, None]))
+    return PrefillPlan(tokens, _gather([index], blocks, page_size, device), tiles)
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -293,15 +305,6 @@ def _fold(acc: torch.Tensor, sums: torch.Tensor, dim: int) -> torch.Tensor:
     return total / sums.cumsum(dim).select(dim, -1).unsqueeze(-1)
 
 
-def _pad_rows(q: torch.Tensor, padding: RowPadding) -> torch.Tensor:
-    """q ``[X, Hkv, R, D]`` with R padded (copies of row 0) to a row count of the safe kernel."""
-    r = q.shape[2]
-    extra = padding.pad(r) - r
-    if extra == 0:
-        return q
-    return torch.cat([q, q[:, :, :1].expand(-1, -1, extra, -1)], dim=2)
-
-
 def attend_decode(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -314,50 +317,46 @@ def attend_decode(
     n, hkv, g, d = q.shape
     q = q * scale
     row_max = q.new_full((n, hkv, g), float("-inf"))
-    parts: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+    parts: list[tuple[torch.Tensor, SharedRun | TailGroup]] = []
 
     for run in plan.shared:
         m = run.num_members
         qs = q.index_select(0, run.members).permute(1, 0, 2, 3).reshape(1, hkv, m * g, d)
-        qs = _pad_rows(qs, padding)
+        qs = padding.pad_rows(qs, dim=2)
         s = _scores(qs, _upcast(run.gather.read(k_pages)), None)
         mx = s.amax(-1)[0, :, : m * g].view(hkv, m, g).transpose(0, 1)
         _max_into(row_max, run.members, mx)
-        parts.append((s, qs, run))
+        parts.append((s, run))
     for tail in plan.tails:
-        qt = _pad_rows(q.index_select(0, tail.rows), padding)
+        qt = padding.pad_rows(q.index_select(0, tail.rows), dim=2)
         s = _scores(qt, _upcast(tail.gather.read(k_pages)), tail.mask)
         _max_into(row_max, tail.rows, s.amax(-1)[:, :, :g])
-        parts.append((s, qt, tail))
+        parts.append((s, tail))
 
     nb = plan.num_blocks
     acc_all = q.new_zeros((n * nb, hkv, g, d))
     sums_all = q.new_zeros((n * nb, hkv, g))
-    for s, qp, part in parts:
-        r = qp.shape[2]
+    for s, part in parts:
+        # padded rows copy row 0 of their unit: they take its maximum
         if isinstance(part, SharedRun):
             m = part.num_members
-            mx = row_max.index_select(0, part.members).transpose(0, 1).reshape(hkv, m * g)
-            mx = torch.cat([mx, mx[:, :1].expand(-1, r - m * g)], dim=1)[None, :, :, None]
-            acc, sums = _partials(s, mx, _upcast(part.gather.read(v_pages)))
+            mx = row_max.index_select(0, part.members).transpose(0, 1).reshape(1, hkv, m * g)
+            acc, sums = _partials(
+                s, padding.pad_rows(mx, dim=2)[..., None], _upcast(part.gather.read(v_pages))
+            )
             nbp = part.gather.blocks
             acc = acc[0, :, :, : m * g].reshape(hkv, nbp, m, g, d).permute(2, 1, 0, 3, 4)
             sums = sums[0, :, :, : m * g].reshape(hkv, nbp, m, g).permute(2, 1, 0, 3)
-            first = part.members * nb + part.first_block
-            count = m
         else:
-            assert isinstance(part, TailGroup)
             mx = row_max.index_select(0, part.rows)
-            mx = torch.cat([mx, mx[:, :, :1].expand(-1, -1, r - g)], dim=2)[..., None]
-            acc, sums = _partials(s, mx, _upcast(part.gather.read(v_pages)))
-            nbp = part.gather.blocks
+            acc, sums = _partials(
+                s, padding.pad_rows(mx, dim=2)[..., None], _upcast(part.gather.read(v_pages))
+            )
             acc = acc[:, :, :, :g].permute(0, 2, 1, 3, 4)  # [rows, NB, Hkv, G, D]
             sums = sums[:, :, :, :g].permute(0, 2, 1, 3)
-            first = part.rows * nb + part.first_block
-            count = part.rows.numel()
-        where = (first[:, None] + torch.arange(nbp, device=q.device)[None, :]).reshape(-1)
-        acc_all.index_copy_(0, where, acc.reshape(count * nbp, hkv, g, d))
-        sums_all.index_copy_(0, where, sums.reshape(count * nbp, hkv, g))
+        assert part.at is not None
+        acc_all.index_copy_(0, part.at, acc.reshape(-1, hkv, g, d))
+        sums_all.index_copy_(0, part.at, sums.reshape(-1, hkv, g))
     out = _fold(acc_all.view(n, nb, hkv, g, d), sums_all.view(n, nb, hkv, g), dim=1)
     return out
 
@@ -376,17 +375,11 @@ def attend_prefill(
     values = _upcast(plan.gather.read(v_pages))
     q = (q * scale).permute(1, 0, 2, 3)  # [Hkv, T, G, D]
     out = q.new_empty((t, hkv, g, d))
-    for a in range(0, t, PREFILL_TILE_TOKENS):
-        b = min(t, a + PREFILL_TILE_TOKENS)
-        last_pos = plan.start_pos + b - 1
-        length = (last_pos // BLOCK + 1) * BLOCK
+    for tile in plan.tiles:
+        a, b, length = tile.a, tile.b, tile.length
         rows = (b - a) * g
-        qt = _pad_rows(q[:, a:b].reshape(1, hkv, rows, d), padding)
-        r = qt.shape[2]
-        pos = plan.start_pos + a + torch.arange(r, device=q.device) // g
-        pos = torch.where(torch.arange(r, device=q.device) < rows, pos, plan.start_pos + a)
-        mask = torch.arange(length, device=q.device)[None, :] > pos[:, None]
-        s = _scores(qt, keys[:, :length], mask[None, None])
+        qt = padding.pad_rows(q[:, a:b].reshape(1, hkv, rows, d), dim=2)
+        s = _scores(qt, keys[:, :length], tile.mask)
         acc, sums = _partials(s, s.amax(-1, keepdim=True), values[:, :length])
         res = _fold(acc, sums, dim=2)[0, :, :rows]  # [Hkv, rows, D]
         out[a:b] = res.view(hkv, b - a, g, d).transpose(0, 1)

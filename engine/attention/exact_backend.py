@@ -63,6 +63,8 @@ class ExactAttentionBackend(AttentionBackend):
                 pages[indptr[b] : indptr[b + 1]],
                 fb.kv_lens[b],
                 fb.page_size,
+                self.num_heads // self.num_kv_heads,
+                self.padding,
                 dev,
             )
             for b, n in enumerate(fb.qo_lens)
@@ -82,7 +84,7 @@ class ExactAttentionBackend(AttentionBackend):
         g = self.num_heads // hkv
         scale = d**-0.5
         qf = q.float().view(-1, hkv, g, d)
-        if self._decode is not None and not self._prefills and self._decode.size == qf.shape[0]:
+        if self._decode is not None and not self._prefills:  # every token decodes, in order
             out = attend_decode(qf, k_pages, v_pages, self._decode, self.padding, scale)
             return out.view(q.shape).to(q.dtype)
         out = torch.empty_like(qf)

@@ -101,6 +101,8 @@ def test_one_query_gets_the_same_bits_alone_batched_cascaded_prefilled_and_paged
     for r in (0, 3):
         chunk_q = torch.randn(70, HKV, G, D, generator=gen)
         chunk_q[-1] = q[r]
-        pplan = plan_prefill((0, 70), tables[r], lens[r], page_size, torch.device("cpu"))
+        pplan = plan_prefill(
+            (0, 70), tables[r], lens[r], page_size, G, padding, torch.device("cpu")
+        )
         out = attend_prefill(chunk_q, kp, vp, pplan, padding, SCALE)
         assert torch.equal(out[-1], reference[r]), f"request {r}: prefill vs decode"

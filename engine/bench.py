@@ -179,8 +179,10 @@ def model_bytes(loaded: Any) -> int:
 
 def kv_bytes(loaded: Any, tokens: int) -> int:
     cfg = loaded.config
-    item = torch.empty((), dtype=loaded.dtype).element_size()
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item * tokens
+    per_token = KVPool.bytes_per_page(
+        cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+    )
+    return per_token * tokens
 
 
 def prefill_flops(loaded: Any, n: int) -> float:
@@ -221,9 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak(loaded.dtype)
     weights = model_bytes(loaded)
     cases: list[tuple[str, int, float, dict[str, Callable[[], None]]]] = []
-    need = max([*args.prefill, 0]) + max([*args.decode_batch, 0]) * (
-        args.context + args.decode_steps
-    )
+    need = max([*args.prefill, 1])  # the prefill cases' pools; decode cases size their own
     exact = OursCase(loaded, args.page_size, need, exact=True)
     fast = OursCase(loaded, args.page_size, need, exact=False)
     steps = args.decode_steps

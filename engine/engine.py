@@ -123,6 +123,7 @@ class Engine:
             attention_padding=attention_padding,
         )
         self._batch_invariant = runner.row_padding is not None
+        self._attention_kernel = runner.backend.kernel_name
         cache = RadixCache(page_size)
         allocator = PageAllocator(pages)
         scheduler = Scheduler(cache, allocator, sched_config)
@@ -173,6 +174,12 @@ class Engine:
     @property
     def dtype(self) -> torch.dtype:
         return self._dtype
+
+    @property
+    def attention_kernel(self) -> str:
+        """Which attention runs: ``"native"`` (the compiled batch-invariant kernel), ``"torch"``
+        (its torch version, where the kernel cannot be built) or ``"fast"`` (not invariant)."""
+        return self._attention_kernel
 
     # ------------------------------------------------------------------------------ generation
 

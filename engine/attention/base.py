@@ -20,6 +20,11 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
+    @property
+    def kernel_name(self) -> str:
+        """What computes attention, for stats and benchmarks."""
+        return "fast"
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import native
 from engine.attention.base import AttentionBackend
 from engine.attention.exact import (
     DecodePlan,
@@ -20,8 +21,11 @@ from engine.rows import RowPadding
 
 class ExactAttentionBackend(AttentionBackend):
     """Paged attention whose output for a query never depends on the batch, the cache or the
-    page size (see ``engine.attention.exact``). Decodes form one group (with cascade runs over
-    shared blocks); each prefill chunk is attended on its own."""
+    page size. With the native kernel (``engine.attention.native``, built on first use) one
+    call per layer attends every token; without it, the torch version
+    (``engine.attention.exact``): decodes form one group (with cascade runs over shared
+    blocks), each prefill chunk is attended on its own. The two round differently, so an
+    engine uses one of them for its whole life."""
 
     name = "torch"
 
@@ -35,15 +39,27 @@ class ExactAttentionBackend(AttentionBackend):
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.padding = padding
+        usable = device.type == "cpu" and head_dim % native.HEAD_DIM_MULTIPLE == 0
+        self.kernel = native.load_kernel() if usable else None
+        self._native: native.NativePlan | None = None
         self._fb: ForwardBatch | None = None
         self._decode: DecodePlan | None = None
         self._prefills: list[PrefillPlan] = []
+
+    @property
+    def kernel_name(self) -> str:
+        return "native" if self.kernel is not None else "torch"
 
     def plan(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         dev = fb.input_ids.device
         indptr = fb.kv_indptr.tolist()
         pages = fb.kv_indices.tolist()
+        self._fb = fb
+        if self.kernel is not None:
+            tables = [pages[indptr[b] : indptr[b + 1]] for b in range(fb.batch_size)]
+            self._native = native.plan_native(fb.qo_lens, fb.kv_lens, tables, dev)
+            return
         starts = [0]
         for n in fb.qo_lens:
             starts.append(starts[-1] + n)
@@ -70,7 +86,6 @@ class ExactAttentionBackend(AttentionBackend):
             for b, n in enumerate(fb.qo_lens)
             if n > 1
         ]
-        self._fb = fb
 
     def run(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
@@ -83,6 +98,10 @@ class ExactAttentionBackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         scale = d**-0.5
+        if self.kernel is not None and self._native is not None:
+            qn = q.float().view(-1, hkv * g, d)
+            out = native.attend(self.kernel, qn, k_pages, v_pages, self._native, g, scale)
+            return out.view(q.shape).to(q.dtype)
         qf = q.float().view(-1, hkv, g, d)
         if self._decode is not None and not self._prefills:  # every token decodes, in order
             out = attend_decode(qf, k_pages, v_pages, self._decode, self.padding, scale)

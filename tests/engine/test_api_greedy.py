@@ -3,6 +3,7 @@ the cache cold, warm, and under memory pressure (eviction and preemption)."""
 
 from __future__ import annotations
 
+import pytest
 from engine_helpers import CHAT_PROMPTS, assert_idle_accounting, greedy, user
 
 NEW_TOKENS = 12
@@ -49,21 +50,42 @@ def test_greedy_matches_transformers_under_memory_pressure(
     assert_idle_accounting(eng)
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
-    make_engine, tokenizer, hf_greedy, monkeypatch
+    make_engine, tokenizer, hf_greedy, monkeypatch, kernel
 ) -> None:
     """Four questions under one ~400-token system prompt decode together: the shared prefix is
-    attended once for all four (cascade) and the answers are still transformers' own."""
-    from engine.attention import exact_backend
+    read once for all four (the native kernel's shared gathers, the torch version's cascade)
+    and the answers are still transformers' own."""
+    from engine.attention import exact_backend, native
 
     calls = []
-    real = exact_backend.attend_decode
+    if kernel == "torch":
+        monkeypatch.setattr(native, "load_kernel", lambda: None)
+        real = exact_backend.attend_decode
 
-    def counting(*args, **kwargs):
-        calls.append(sum(run.gather.tokens for run in args[3].shared))
-        return real(*args, **kwargs)
+        def counting(*args, **kwargs):
+            calls.append(sum(run.gather.tokens for run in args[3].shared))
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(exact_backend, "attend_decode", counting)
+        monkeypatch.setattr(exact_backend, "attend_decode", counting)
+    else:
+        real_plan = native.plan_native
+
+        def recording(qo_lens, kv_lens, tables, device):
+            plan = real_plan(qo_lens, kv_lens, tables, device)
+            order, ptr = plan.order.tolist(), plan.item_ptr.tolist()
+            seq = plan.q_seq.tolist()
+            for a, b in zip(ptr, ptr[1:]):  # tokens of a prefix one item gathers for several
+                rows = [tables[seq[t]] for t in order[a:b]]
+                if len(rows) > 1 and all(qo_lens[seq[t]] == 1 for t in order[a:b]):
+                    common = 0
+                    while all(len(r) > common and r[common] == rows[0][common] for r in rows):
+                        common += 1
+                    calls.append(common * 16)
+            return plan
+
+        monkeypatch.setattr(native, "plan_native", recording)
     system = " ".join(
         f"Rule {i}: answer politely, cite the source, and keep each reply short." for i in range(28)
     )
@@ -80,6 +102,7 @@ def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
     ]
     assert len(ids[0]) > 400
     eng = make_engine(page_size=16, num_pages=160)
+    assert eng.attention_kernel == kernel
     outs = eng.generate(conversations, greedy(NEW_TOKENS))
     assert [o.token_ids for o in outs] == [hf_greedy(i, NEW_TOKENS) for i in ids]
     assert calls and max(calls) >= 384  # the decodes did read the system prompt once per step

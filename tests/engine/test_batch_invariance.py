@@ -11,6 +11,7 @@ import torch
 from engine_helpers import CHAT_PROMPTS, assert_idle_accounting, greedy, user
 
 from engine import Engine, SamplingParams
+from engine.attention import native
 from engine.kv_pool import KVPool
 from engine.probe import probe
 from engine.runner import ModelRunner
@@ -82,10 +83,20 @@ def last_logits(
     return [o for o in out if o is not None]
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_are_bit_identical_alone_batched_chunked_and_paged(
-    dtype: str, loaded_fp32: Any, loaded_bf16: Any, tokenizer: Any, make_entry: Any
+    dtype: str,
+    kernel: str,
+    loaded_fp32: Any,
+    loaded_bf16: Any,
+    tokenizer: Any,
+    make_entry: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With the native attention kernel and with the torch version it falls back to."""
+    if kernel == "torch":
+        monkeypatch.setattr(native, "load_kernel", lambda: None)
     loaded = loaded_fp32 if dtype == "float32" else loaded_bf16
     # bf16 products are ~70x slower than fp32 on CPUs without AVX-512 BF16: short prompts there.
     n = 90 if dtype == "float32" else 20
@@ -93,7 +104,9 @@ def test_logits_are_bit_identical_alone_batched_chunked_and_paged(
     other = tokenizer("A different request that shares nothing with the first one at all.")[
         "input_ids"
     ]
-    ref = last_logits(runner_for(loaded, 16), make_entry, [[ids]], 16)[0]
+    runner = runner_for(loaded, 16)
+    assert (runner.backend.kernel is None) == (kernel == "torch")
+    ref = last_logits(runner, make_entry, [[ids]], 16)[0]
     assert torch.equal(last_logits(runner_for(loaded, 1), make_entry, [[ids]], 1)[0], ref)
     split = [ids[: n // 3], ids[n // 3 : n - 1], ids[n - 1 :]]  # chunks, then a 1-token step
     assert torch.equal(last_logits(runner_for(loaded, 16), make_entry, [split], 16)[0], ref)

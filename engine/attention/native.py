@@ -1,0 +1,176 @@
+"""The batch-invariant attention kernel in C++ (``csrc/exact_attention.cpp``), built per machine.
+
+The torch version (``engine.attention.exact``) gets its invariance from measured row padding
+and fixed 64-key blocks of BLAS products, at the price of many small ops per layer. The native
+kernel gets it by construction: each query row is computed by one fixed sequence of
+instructions over its own keys, whatever shares the call (see the source's header). It is
+compiled on first use with ``-march=native`` into ``~/.cache/radixkv/kernels/<fingerprint>``
+(the CPU's flags, the torch version and the source are in the fingerprint, so a cache copied
+to another machine is never loaded there); when it cannot be built the engine keeps the torch
+version and says so once.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import xxhash
+
+SOURCE = Path(__file__).parent / "csrc" / "exact_attention.cpp"
+# -fopenmp: at::parallel_for is a header template; without it the pragma is dropped and the
+# kernel runs on one thread (libgomp resolves to the copy torch already loaded).
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp")
+# Prefill queries of one request are attended in items of this many tokens; decode queries
+# (one per request) in items of up to DECODE_ITEM_TOKENS requests with similar page tables.
+PREFILL_ITEM_TOKENS = 32
+DECODE_ITEM_TOKENS = 8
+HEAD_DIM_MULTIPLE = 32  # the kernel's register tiles
+DISABLE_ENV = "RADIXKV_NATIVE_ATTENTION"  # "0" keeps the torch version
+
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def _cpu_fingerprint() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name", "Features")):
+                flags += line
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()}|{flags}"
+
+
+def fingerprint() -> str:
+    h = xxhash.xxh64()
+    for part in (_cpu_fingerprint(), torch.__version__, " ".join(CFLAGS), SOURCE.read_text()):
+        h.update(part.encode())
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "radixkv" / "kernels"
+
+
+def load_kernel() -> ModuleType | None:
+    """The compiled module (built on first use), or None where it cannot be built here."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    key = fingerprint()
+    if key in _loaded:
+        return _loaded[key]
+    module: ModuleType | None = None
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = cache_dir() / key
+        build.mkdir(parents=True, exist_ok=True)
+        module = load(
+            name=f"radixkv_exact_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or headers: keep the torch version
+        warnings.warn(
+            f"native attention kernel could not be built ({type(exc).__name__}: {exc}); "
+            "using the torch version of exact attention",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    _loaded[key] = module
+    return module
+
+
+@dataclass
+class NativePlan:
+    """Index tensors of one pass for the kernel (int32): each token's request and position,
+    and work items (tokens that share key gathers)."""
+
+    tables: torch.Tensor  # [requests, max pages]
+    table_lens: torch.Tensor  # [requests]
+    q_seq: torch.Tensor  # [T]
+    q_pos: torch.Tensor  # [T]: the query attends keys 0..pos
+    order: torch.Tensor  # [T]: tokens in item order
+    item_ptr: torch.Tensor  # [items + 1]
+
+
+def plan_native(
+    qo_lens: list[int], kv_lens: list[int], tables: list[list[int]], device: torch.device
+) -> NativePlan:
+    """Items for a pass: prefill chunks in tiles of PREFILL_ITEM_TOKENS, decodes sorted by
+    page table (so requests sharing a prefix share its gathers) in groups; costliest first."""
+    q_seq: list[int] = []
+    q_pos: list[int] = []
+    items: list[tuple[int, list[int]]] = []  # (cost, tokens)
+    decodes: list[int] = []
+    for r, (n, kv) in enumerate(zip(qo_lens, kv_lens)):
+        first = len(q_seq)
+        q_seq.extend([r] * n)
+        q_pos.extend(range(kv - n, kv))
+        if n == 1:
+            decodes.append(r)
+            continue
+        for a in range(0, n, PREFILL_ITEM_TOKENS):
+            b = min(n, a + PREFILL_ITEM_TOKENS)
+            items.append(((b - a) * (kv - n + b), list(range(first + a, first + b))))
+    token_of = {r: i for i, r in enumerate(q_seq) if qo_lens[r] == 1}
+    decodes.sort(key=lambda r: tables[r])
+    for a in range(0, len(decodes), DECODE_ITEM_TOKENS):
+        group = decodes[a : a + DECODE_ITEM_TOKENS]
+        items.append((sum(kv_lens[r] for r in group), [token_of[r] for r in group]))
+    items.sort(key=lambda item: -item[0])
+    order = [t for _, tokens in items for t in tokens]
+    item_ptr = [0]
+    for _, tokens in items:
+        item_ptr.append(item_ptr[-1] + len(tokens))
+    width = max(len(t) for t in tables)
+    padded = [t + [t[-1]] * (width - len(t)) for t in tables]
+
+    def i32(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return NativePlan(
+        i32(padded),
+        i32([len(t) for t in tables]),
+        i32(q_seq),
+        i32(q_pos),
+        i32(order),
+        i32(item_ptr),
+    )
+
+
+def attend(
+    kernel: ModuleType,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: NativePlan,
+    group: int,
+    scale: float,
+) -> torch.Tensor:
+    """q ``[T, Hq, D]`` float32 -> ``[T, Hq, D]`` float32 over the pool layer's pages."""
+    return kernel.exact_attention(
+        q.contiguous(),
+        k_pages,
+        v_pages,
+        plan.tables,
+        plan.table_lens,
+        plan.q_seq,
+        plan.q_pos,
+        plan.order,
+        plan.item_ptr,
+        group,
+        scale,
+    )

@@ -1,0 +1,169 @@
+"""The native batch-invariant attention kernel: it builds on this machine, it computes softmax
+attention over each query's own keys, and a query's output is bit-identical whatever shares
+the call (other requests, a prefill chunk, a lone decode), however the keys are paged, and
+with one thread or two."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.attention import native
+
+HKV, G, D = 3, 3, 64
+SCALE = D**-0.5
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ModuleType:
+    module = native.load_kernel()
+    assert module is not None, "the native attention kernel did not build on this machine"
+    return module
+
+
+class Pool:
+    """Sequences' K/V stored in shuffled pages of a pool full of stale values."""
+
+    def __init__(
+        self,
+        seqs_k: list[torch.Tensor],
+        seqs_v: list[torch.Tensor],
+        page_size: int,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> None:
+        need = sum(-(-k.shape[0] // page_size) for k in seqs_k)
+        gen = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(need + 2, page_size, HKV, D, generator=gen).to(dtype)
+        self.v = torch.randn(need + 2, page_size, HKV, D, generator=gen).to(dtype)
+        free = random.Random(seed).sample(range(need + 2), need + 2)
+        self.tables: list[list[int]] = []
+        for k, v in zip(seqs_k, seqs_v):
+            pages = [free.pop() for _ in range(-(-k.shape[0] // page_size))]
+            self.tables.append(pages)
+            for pos in range(k.shape[0]):
+                page, off = pages[pos // page_size], pos % page_size
+                self.k[page, off] = k[pos].to(dtype)
+                self.v[page, off] = v[pos].to(dtype)
+
+    def table(self, seq: int, length: int) -> list[int]:
+        page_size = self.k.shape[1]
+        return self.tables[seq][: -(-length // page_size)]
+
+
+def attend(
+    kernel: ModuleType, pool: Pool, q: torch.Tensor, qo: list[int], kv: list[int], seqs: list[int]
+) -> torch.Tensor:
+    tables = [pool.table(s, n) for s, n in zip(seqs, kv)]
+    plan = native.plan_native(qo, kv, tables, CPU)
+    return native.attend(kernel, q, pool.k, pool.v, plan, G, SCALE)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+    """Softmax attention in float64 for one query ``[HKV * G, D]`` at ``pos``."""
+    qq = q.double().view(HKV, G, D)
+    kk, vv = k[: pos + 1].double(), v[: pos + 1].double()
+    s = torch.einsum("hgd,lhd->hgl", qq, kk) * SCALE
+    return torch.einsum("hgl,lhd->hgd", s.softmax(-1), vv).reshape(HKV * G, D).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_computes_softmax_attention_over_each_querys_own_keys(
+    kernel: ModuleType, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(1)
+    lens = [137, 300, 5]
+    ks = [torch.randn(n, HKV, D, generator=gen).to(dtype) for n in lens]
+    vs = [torch.randn(n, HKV, D, generator=gen).to(dtype) for n in lens]
+    pool = Pool(ks, vs, 16, dtype, seed=1)
+    qo = [100, 1, 1]  # a prefill chunk after 37 cached tokens, two decodes
+    q = torch.randn(sum(qo), HKV * G, D, generator=gen)
+    out = attend(kernel, pool, q, qo, lens, [0, 1, 2])
+    t = 0
+    for s, (n, length) in enumerate(zip(qo, lens)):
+        for j in range(n):
+            want = reference(q[t], ks[s], vs[s], length - n + j)
+            torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-5)
+            t += 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    shared=st.integers(0, 200),
+    own=st.lists(st.integers(1, 150), min_size=1, max_size=5),
+    page_size=st.sampled_from([1, 3, 16, 64, 128]),
+    bf16=st.booleans(),
+)
+def test_query_gets_the_same_bits_in_any_batch_chunk_paging_and_thread_count(
+    kernel: ModuleType, data: st.DataObject, shared: int, own: list[int], page_size: int, bf16: bool
+) -> None:
+    """Requests share a prefix (the cascade case) and add their own tokens; each runs either
+    as a prefill chunk of its last tokens or as a decode. Every query's output equals the same
+    query as a lone decode, over a pool with page size 16, on one thread."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    gen = torch.Generator().manual_seed(len(own) * 1000 + shared)
+    prefix = torch.randn(shared, HKV, D, generator=gen), torch.randn(shared, HKV, D, generator=gen)
+    ks, vs = [], []
+    for n in own:
+        ks.append(torch.cat([prefix[0], torch.randn(n, HKV, D, generator=gen)]))
+        vs.append(torch.cat([prefix[1], torch.randn(n, HKV, D, generator=gen)]))
+    lens = [k.shape[0] for k in ks]
+    qo = [data.draw(st.integers(1, n), label=f"chunk {i}") for i, n in enumerate(lens)]
+    q = torch.randn(sum(qo), HKV * G, D, generator=gen)
+    threads = data.draw(st.sampled_from([1, 2]), label="threads")
+
+    batch_pool = Pool(ks, vs, page_size, dtype, seed=3)
+    lone_pool = Pool(ks, vs, 16, dtype, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        batched = attend(kernel, batch_pool, q, qo, lens, list(range(len(lens))))
+        torch.set_num_threads(1)
+        t = 0
+        for s, (n, length) in enumerate(zip(qo, lens)):
+            for j in range(n):
+                pos = length - n + j
+                alone = attend(kernel, lone_pool, q[t : t + 1], [1], [pos + 1], [s])
+                assert torch.equal(alone[0], batched[t]), (s, j)
+                t += 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_build_for_another_cpu_or_source_is_never_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The build directory's key changes with the CPU's flags and with the source."""
+    key = native.fingerprint()
+    assert key == native.fingerprint()
+    monkeypatch.setattr(native, "_cpu_fingerprint", lambda: "x86_64|flags: fpu sse2")
+    other_cpu = native.fingerprint()
+    assert other_cpu != key
+    edited = tmp_path / "exact_attention.cpp"
+    edited.write_text(native.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(native, "SOURCE", edited)
+    assert native.fingerprint() not in (key, other_cpu)
+
+
+def test_disabled_by_environment_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native.load_kernel() is None
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    broken = tmp_path / "exact_attention.cpp"
+    broken.write_text("#error this machine cannot build the kernel\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="torch version of exact attention"):
+        assert native.load_kernel() is None

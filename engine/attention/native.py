@@ -12,6 +12,7 @@ version and says so once.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import warnings
@@ -69,19 +70,13 @@ def load_kernel() -> ModuleType | None:
     if key in _loaded:
         return _loaded[key]
     module: ModuleType | None = None
+    name = f"radixkv_exact_{key}"
+    build = cache_dir() / key
     try:
-        from torch.utils.cpp_extension import load
-
-        build = cache_dir() / key
-        build.mkdir(parents=True, exist_ok=True)
-        module = load(
-            name=f"radixkv_exact_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        built = build / f"{name}.so"
+        # A finished build is imported as it is: torch's loader would rebuild it whenever the
+        # source sits at another path (another checkout), costing a cold start each time.
+        module = _import_built(name, built) if built.exists() else _build(name, build)
     except Exception as exc:  # a missing compiler or headers: keep the torch version
         warnings.warn(
             f"native attention kernel could not be built ({type(exc).__name__}: {exc}); "
@@ -90,6 +85,29 @@ def load_kernel() -> ModuleType | None:
             stacklevel=2,
         )
     _loaded[key] = module
+    return module
+
+
+def _build(name: str, build: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    build.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        verbose=False,
+    )
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 

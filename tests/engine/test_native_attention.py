@@ -167,3 +167,16 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_a_warning(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with pytest.warns(RuntimeWarning, match="torch version of exact attention"):
         assert native.load_kernel() is None
+
+
+def test_a_finished_build_is_imported_without_building_again(
+    kernel: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another checkout (the source at another path) starts warm: no compiler is called."""
+
+    def no_build(*args: object) -> ModuleType:
+        raise AssertionError("rebuilt an existing kernel")
+
+    monkeypatch.setattr(native, "_build", no_build)
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load_kernel() is not None

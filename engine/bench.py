@@ -117,12 +117,6 @@ def hf_decode(hf: Any, contexts: list[list[int]], steps: int) -> Callable[[], No
     return run
 
 
-def _attention_kernel() -> str:
-    from engine.attention import native
-
-    return "native" if native.load_kernel() is not None else "torch"
-
-
 def _timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
@@ -258,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = measure(cases, args.repeats)
     print(
         f"engine.bench: dtype={loaded.dtype}, threads={torch.get_num_threads()}, "
-        f"page_size={args.page_size}, exact attention: {_attention_kernel()}, "
+        f"page_size={args.page_size}, exact attention: {exact.runner.backend.kernel_name}, "
         f"median of {args.repeats} interleaved repeats; "
         f"measured: memory {bandwidth / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.1f} GFLOP/s"
     )

@@ -20,16 +20,16 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
-    @property
-    def kernel_name(self) -> str:
-        """What computes attention, for stats and benchmarks."""
-        return "fast"
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = device
+
+    @property
+    def kernel_name(self) -> str:
+        """What computes attention, for stats and benchmarks."""
+        return "fast"
 
     @abstractmethod
     def plan(self, forward_batch: ForwardBatch) -> None: ...

@@ -98,7 +98,7 @@ class ExactAttentionBackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         scale = d**-0.5
-        if self.kernel is not None and self._native is not None:
+        if self._native is not None:
             qn = q.float().view(-1, hkv * g, d)
             out = native.attend(self.kernel, qn, k_pages, v_pages, self._native, g, scale)
             return out.view(q.shape).to(q.dtype)

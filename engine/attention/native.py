@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import platform
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from types import ModuleType
 
 import torch
 import xxhash
+
+from engine.probe import machine_key
 
 SOURCE = Path(__file__).parent / "csrc" / "exact_attention.cpp"
 # -fopenmp: at::parallel_for is a header template; without it the pragma is dropped and the
@@ -37,29 +38,19 @@ DISABLE_ENV = "RADIXKV_NATIVE_ATTENTION"  # "0" keeps the torch version
 _loaded: dict[str, ModuleType | None] = {}
 
 
-def _cpu_fingerprint() -> str:
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name", "Features")):
-                flags += line
-                if line.startswith(("flags", "Features")):
-                    break
-    except OSError:
-        flags = platform.processor()
-    return f"{platform.machine()}|{flags}"
-
-
 def fingerprint() -> str:
+    """The build's key: the machine (CPU model and flags, torch; ``probe.machine_key``), the
+    compiler flags and the source."""
     h = xxhash.xxh64()
-    for part in (_cpu_fingerprint(), torch.__version__, " ".join(CFLAGS), SOURCE.read_text()):
+    for part in (machine_key(), " ".join(CFLAGS), SOURCE.read_text()):
         h.update(part.encode())
     return h.hexdigest()
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "radixkv" / "kernels"
+    from engine.loader import cache_root  # the loader imports the model, which imports us
+
+    return cache_root() / "kernels"
 
 
 def load_kernel() -> ModuleType | None:
@@ -132,22 +123,21 @@ def plan_native(
     q_seq: list[int] = []
     q_pos: list[int] = []
     items: list[tuple[int, list[int]]] = []  # (cost, tokens)
-    decodes: list[int] = []
+    decodes: list[tuple[int, int]] = []  # (request, its token)
     for r, (n, kv) in enumerate(zip(qo_lens, kv_lens)):
         first = len(q_seq)
         q_seq.extend([r] * n)
         q_pos.extend(range(kv - n, kv))
         if n == 1:
-            decodes.append(r)
+            decodes.append((r, first))
             continue
         for a in range(0, n, PREFILL_ITEM_TOKENS):
             b = min(n, a + PREFILL_ITEM_TOKENS)
             items.append(((b - a) * (kv - n + b), list(range(first + a, first + b))))
-    token_of = {r: i for i, r in enumerate(q_seq) if qo_lens[r] == 1}
-    decodes.sort(key=lambda r: tables[r])
+    decodes.sort(key=lambda d: tables[d[0]])
     for a in range(0, len(decodes), DECODE_ITEM_TOKENS):
         group = decodes[a : a + DECODE_ITEM_TOKENS]
-        items.append((sum(kv_lens[r] for r in group), [token_of[r] for r in group]))
+        items.append((sum(kv_lens[r] for r, _ in group), [t for _, t in group]))
     items.sort(key=lambda item: -item[0])
     order = [t for _, tokens in items for t in tokens]
     item_ptr = [0]

@@ -144,7 +144,7 @@ def test_a_build_for_another_cpu_or_source_is_never_loaded(
     """The build directory's key changes with the CPU's flags and with the source."""
     key = native.fingerprint()
     assert key == native.fingerprint()
-    monkeypatch.setattr(native, "_cpu_fingerprint", lambda: "x86_64|flags: fpu sse2")
+    monkeypatch.setattr(native, "machine_key", lambda: "x86_64|flags: fpu sse2")
     other_cpu = native.fingerprint()
     assert other_cpu != key
     edited = tmp_path / "exact_attention.cpp"

@@ -193,8 +193,8 @@ template <typename scalar_t, typename Visit>
 void for_each_block(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int64_t first,
                     int64_t count, int64_t nb, std::vector<float>& copy, Visit visit) {
   int64_t slots[BLOCK], held[BLOCK];
+  held[0] = -1;  // no slot is negative: the first block is always located
   const float* rows[BLOCK];
-  bool have = false;
   int32_t seq_at = -1;
   int64_t block_at = -1;
   for (int64_t b = 0; b < nb; ++b) {
@@ -205,10 +205,9 @@ void for_each_block(const Args<scalar_t>& a, const scalar_t* base, int64_t h, in
         seq_at = a.q_seq[t];
         block_at = b;
         block_slots(a, seq_at, b, slots);
-        if (!have || std::memcmp(slots, held, sizeof slots) != 0) {
+        if (std::memcmp(slots, held, sizeof slots) != 0) {
           locate(base, a, h, slots, rows, copy);
           std::memcpy(held, slots, sizeof slots);
-          have = true;
         }
       }
       visit(b, i, t, static_cast<const float* const*>(rows));

@@ -4,8 +4,8 @@
     with Engine() as engine:
         [out] = engine.generate("Hello", SamplingParams(max_new_tokens=32, temperature=0.0))
 
-The public names load on first access, so importing a submodule (``engine.loader``,
-``engine.runner``) does not pull in the scheduler and the engine loop.
+The public names load on first access, so importing a submodule (``engine.model.loader``,
+``engine.model.runner``) does not pull in the scheduler and the engine loop.
 """
 
 from __future__ import annotations
@@ -14,29 +14,32 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.chat import ChatSession
-    from engine.engine import Engine
-    from engine.errors import EngineDeadError
-    from engine.outputs import RequestOutput
-    from engine.sampling import SamplingParams
-    from engine.stats import EngineStats
+    from engine.serving.chat import ChatSession
+    from engine.serving.engine import Engine
+    from engine.serving.errors import EngineDeadError
+    from engine.serving.handle import RequestHandle
+    from engine.serving.outputs import RequestOutput
+    from engine.serving.stats import EngineStats
+    from scheduler import SamplingParams
 
 __all__ = [
     "ChatSession",
     "Engine",
     "EngineDeadError",
     "EngineStats",
+    "RequestHandle",
     "RequestOutput",
     "SamplingParams",
 ]
 
 _HOMES = {
-    "ChatSession": "engine.chat",
-    "Engine": "engine.engine",
-    "EngineDeadError": "engine.errors",
-    "EngineStats": "engine.stats",
-    "RequestOutput": "engine.outputs",
-    "SamplingParams": "engine.sampling",
+    "ChatSession": "engine.serving.chat",
+    "Engine": "engine.serving.engine",
+    "EngineDeadError": "engine.serving.errors",
+    "EngineStats": "engine.serving.stats",
+    "RequestHandle": "engine.serving.handle",
+    "RequestOutput": "engine.serving.outputs",
+    "SamplingParams": "scheduler.params",
 }
 
 

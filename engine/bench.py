@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from engine.kv_pool import KVPool
-from engine.loader import load_hf_reference, load_model
-from engine.probe import probe
-from engine.runner import ModelRunner
+from engine.model.kv_pool import KVPool
+from engine.model.loader import load_hf_reference, load_model
+from engine.model.probe import probe
+from engine.model.runner import ModelRunner
+from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request
 
@@ -66,7 +67,7 @@ class OursCase:
         )
 
     def prefill(self, ids: list[int]) -> Callable[[], None]:
-        req = Request(0, ids, 1)
+        req = Request(0, ids, SamplingParams(max_new_tokens=1))
         batch = Batch([_entry(req, ids, 0, list(range(-(-len(ids) // self.ps))), self.ps)], self.ps)
 
         def run() -> None:
@@ -77,7 +78,7 @@ class OursCase:
     def decode(self, contexts: list[list[int]], steps: int) -> Callable[[], None]:
         ps = self.ps
         per_req = -(-(len(contexts[0]) + steps) // ps)
-        reqs = [Request(i, c, steps) for i, c in enumerate(contexts)]
+        reqs = [Request(i, c, SamplingParams(max_new_tokens=steps)) for i, c in enumerate(contexts)]
         tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(reqs))]
         for r, t in zip(reqs, tables):  # untimed: fill the pool with each context
             self.runner.forward(Batch([_entry(r, r.prompt, 0, t, ps)], ps))

@@ -1,7 +1,9 @@
 """radix: KV memory management for radixkv (pure Python, no torch).
 
-RadixCache maps page-aligned token prefixes to KV page ids, PageAllocator hands out page ids,
-page_hashes gives the content address chain of a token sequence without a tree.
+KVManager owns a pool's pages: the prefix tree and the free list, and one CacheHandle per
+running request. Under it, RadixCache maps page-aligned token prefixes to KV page ids,
+PageAllocator hands out page ids, page_hashes gives the content address chain of a token
+sequence without a tree. The tree and the allocator by hand:
 
     cache, allocator = RadixCache(page_size=16), PageAllocator(num_pages=4096)
     match = cache.match_prefix(prompt)            # cached pages of the longest prefix
@@ -20,6 +22,20 @@ from __future__ import annotations
 from radix.allocator import PageAllocator
 from radix.cache import RadixCache
 from radix.hashing import page_hashes
-from radix.node import Node, PrefixMatch
+from radix.manager import CacheHandle, KVEvent, KVManager, PagesEvicted, PagesStored, PageStats
+from radix.node import Node, PrefixInsert, PrefixMatch
 
-__all__ = ["Node", "PageAllocator", "PrefixMatch", "RadixCache", "page_hashes"]
+__all__ = [
+    "CacheHandle",
+    "KVEvent",
+    "KVManager",
+    "Node",
+    "PageAllocator",
+    "PageStats",
+    "PagesEvicted",
+    "PagesStored",
+    "PrefixInsert",
+    "PrefixMatch",
+    "RadixCache",
+    "page_hashes",
+]

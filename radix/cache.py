@@ -8,7 +8,7 @@ import numpy as np
 from sortedcontainers import SortedDict
 
 from radix.hashing import namespace_seed
-from radix.node import Node, PrefixMatch
+from radix.node import Node, PrefixInsert, PrefixMatch
 from radix.tokens import TOKEN_BYTES, TOKEN_DTYPE, encode_tokens
 
 
@@ -143,6 +143,27 @@ class RadixCache:
         the tree. Page ids are trusted (they come from a PageAllocator): only their count is
         checked here; ``check_invariants`` finds a page held twice.
         """
+        return self._insert(tokens, pages, namespace, collect_pages=False)[0]
+
+    def insert_prefix(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pages: Sequence[int] | np.ndarray,
+        namespace: str | None = None,
+    ) -> PrefixInsert:
+        """``insert``, also returning where the inserted prefix now lives (node and pages),
+        so a caller that keeps a lock on it needs no second walk."""
+        cached, node, tree_pages = self._insert(tokens, pages, namespace, collect_pages=True)
+        length = len(tree_pages) * self._page_size
+        return PrefixInsert(cached, PrefixMatch(length, tree_pages, node))
+
+    def _insert(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pages: Sequence[int] | np.ndarray,
+        namespace: str | None,
+        collect_pages: bool,
+    ) -> tuple[int, Node, list[int]]:
         buf = encode_tokens(tokens)
         page_bytes = self._page_bytes
         num_pages = len(buf) // page_bytes
@@ -155,7 +176,7 @@ class RadixCache:
         if root is None:
             root = self.root(namespace)
         end = num_pages * page_bytes
-        node, pos, _, path = self._descend(root, buf, end, collect_pages=False)
+        node, pos, tree_pages, path = self._descend(root, buf, end, collect_pages)
         if pos < end:
             first = pos // page_bytes
             if isinstance(pages, list):
@@ -172,9 +193,12 @@ class RadixCache:
             self._num_nodes += 1
             self._evictable += len(new_pages)
             path.append(leaf)
+            node = leaf
+            if collect_pages:
+                tree_pages.extend(new_pages)
         if path:
             self._touch(path)
-        return pos // TOKEN_BYTES
+        return pos // TOKEN_BYTES, node, tree_pages
 
     def _descend(
         self, root: Node, buf: bytes, end: int, collect_pages: bool = True

@@ -112,3 +112,13 @@ class PrefixMatch:
     length: int
     pages: list[int]
     node: Node
+
+
+@dataclass(slots=True)
+class PrefixInsert:
+    """What ``RadixCache.insert_prefix`` did: ``cached`` leading tokens were in the tree
+    already (the caller's pages for them are duplicates), and the whole inserted prefix now
+    lives at ``match`` (its node ends exactly at the inserted length)."""
+
+    cached: int
+    match: PrefixMatch

@@ -1,6 +1,6 @@
 """scheduler: what runs next (pure Python, no torch).
 
-Request states, waiting-queue policies (fcfs, lpm, dfs-weight, with in-batch grouping) and the
+SamplingParams (what a request asks for), request states, waiting-queue policies (fcfs, lpm, dfs-weight, with in-batch grouping) and the
 Scheduler: continuous batching, chunked prefill, admission with a decode reserve, preemption.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 from scheduler.batch import Batch, BatchEntry
 from scheduler.config import POLICIES, SchedulerConfig
 from scheduler.counters import SchedulerCounters
+from scheduler.params import SamplingParams
 from scheduler.request import Request, RequestState
 from scheduler.scheduler import Scheduler
 
@@ -18,6 +19,7 @@ __all__ = [
     "BatchEntry",
     "Request",
     "RequestState",
+    "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerCounters",

@@ -11,16 +11,16 @@ once, and again only when the tree changed exactly where its match ends:
   leaves' tail pages, so no page of a path goes before the pages below it): each request is
   filed under that *anchor* page.
 
-The scheduler is the only one that inserts into and evicts from the cache, and it reports
-both here, so a cached match is exact at the start of every step.
+Every insert and eviction goes through the KV manager, which announces it here
+(``PagesStored``, ``PagesEvicted``), so a cached match is exact at the start of every step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from radix import RadixCache
+from radix import KVEvent, KVManager, PagesEvicted, PagesStored
 from scheduler.request import Request
 
 
@@ -43,16 +43,17 @@ class WaitingMatch:
 
 
 class MatchIndex:
-    """Each waiting request's cached match, kept exact by insert and evict notifications."""
+    """Each waiting request's cached match, kept exact by the KV manager's events."""
 
-    def __init__(self, cache: RadixCache) -> None:
-        self._cache = cache
-        self._page_size = cache.page_size
+    def __init__(self, kv: KVManager) -> None:
+        self._kv = kv
+        self._page_size = kv.page_size
         self._matches: dict[Request, WaitingMatch] = {}
         self._by_anchor: dict[Hashable, set[Request]] = {}
         self._by_frontier: dict[tuple[Hashable, tuple[int, ...]], set[Request]] = {}
         self._dirty: set[Request] = set()
         self.rematches = 0  # match_prefix calls made here (a cost probe for benchmarks)
+        kv.subscribe(self._on_kv_event)
 
     def __len__(self) -> int:
         return len(self._matches)
@@ -73,18 +74,19 @@ class MatchIndex:
         if match is not None:
             self._unfile(request, match)
 
-    def tree_extended(self, anchor: Hashable, next_page: tuple[int, ...]) -> None:
-        """An insert added a node below ``anchor`` starting with ``next_page``."""
-        waiting = self._by_frontier.get((anchor, next_page))
-        if waiting:
-            self._dirty.update(waiting)
-
-    def pages_evicted(self, pages: Iterable[int]) -> None:
-        by_anchor = self._by_anchor
-        for page in pages:
-            waiting = by_anchor.get(page)
+    def _on_kv_event(self, event: KVEvent) -> None:
+        if isinstance(event, PagesStored):
+            parent = event.parent_page
+            anchor = root_anchor(event.namespace) if parent is None else parent
+            waiting = self._by_frontier.get((anchor, tuple(event.tokens[: self._page_size])))
             if waiting:
                 self._dirty.update(waiting)
+        elif isinstance(event, PagesEvicted):
+            by_anchor = self._by_anchor
+            for page in event.pages:
+                waiting = by_anchor.get(page)
+                if waiting:
+                    self._dirty.update(waiting)
 
     def refresh(self) -> list[Request]:
         """Re-match the requests the tree changed under; returns those whose length changed."""
@@ -101,9 +103,9 @@ class MatchIndex:
 
     def _match(self, request: Request) -> WaitingMatch:
         p = self._page_size
-        tokens = request.prompt if not request.output else request.all_tokens
+        tokens = request.all_tokens
         cap = matchable_length(len(tokens), p)
-        found = self._cache.match_prefix(tokens[:cap], request.namespace)
+        found = self._kv.match(tokens[:cap], request.namespace)
         self.rematches += 1
         length = found.length
         anchor = found.pages[-1] if found.pages else root_anchor(request.namespace)

@@ -1,66 +1,65 @@
-"""A request as the scheduler sees it: token ids, limits, and where its KV lives."""
+"""A request as the scheduler sees it: its tokens, what it asked for, and where its KV lives."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+
+from radix import CacheHandle
+from scheduler.params import SamplingParams
 
 
 class RequestState(enum.Enum):
-    WAITING = "waiting"      # queued (new, or preempted and requeued)
-    RUNNING = "running"      # admitted: holds pages, prefilling or decoding
-    FINISHED = "finished"    # stop token, max_new_tokens, or finished by the engine (stop string)
-    ABORTED = "aborted"      # aborted by the caller or failed; holds nothing
+    WAITING = "waiting"  # queued (new, or preempted and requeued)
+    RUNNING = "running"  # admitted: holds a CacheHandle, prefilling or decoding
+    FINISHED = "finished"  # a stop token, a stop string, or max_new_tokens
+    ABORTED = "aborted"  # aborted by the caller or failed; holds nothing
 
 
 @dataclass(eq=False)
 class Request:
     """One generation request.
 
-    The scheduler owns every field below ``data``; the engine reads them and puts whatever it
-    needs per request (sampling params, output sink, detokeniser) into ``data``, which the
-    scheduler never looks at.
+    The caller sets the first five fields; the scheduler owns the rest. ``eos_token_ids`` are
+    the model's end-of-sequence ids, which end the request unless ``params.ignore_eos``.
     """
 
     id: int | str
     prompt: list[int]
-    max_new_tokens: int
+    params: SamplingParams
     namespace: str | None = None
-    stop_token_ids: frozenset[int] = frozenset()
-    data: Any = None
+    eos_token_ids: frozenset[int] = frozenset()
 
     state: RequestState = RequestState.WAITING
     output: list[int] = field(default_factory=list)
     # Tokens served from the tree at first admission (what RequestOutput.cached_tokens reports).
     cached_tokens: int = 0
-    # Tokens of prompt + output whose K/V is written in ``pages``.
+    # Tokens of prompt + output whose K/V is written in the handle's pages.
     num_computed: int = 0
-    # Page table: pages[i] holds tokens [i*p, (i+1)*p). Leading pages belong to the tree
-    # (protected by the lock on ``node``), the rest are private to this request.
-    pages: list[int] = field(default_factory=list)
-    # The tree node this request holds a lock on (None: holds no lock).
-    node: Any = None
-    arrival: int = 0                      # arrival order, set by Scheduler.add
+    # Where its KV lives while it runs (None while waiting and once ended).
+    kv: CacheHandle | None = None
+    arrival: int = 0  # arrival order, set by Scheduler.add
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
-    finish_reason: str | None = None      # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort"
     num_preemptions: int = 0
-    # Leading tokens of ``pages`` that belong to the tree (held by the lock on ``node``);
-    # pages after them are private to this request. Always a multiple of the page size.
-    tree_len: int = 0
     # Set at first admission: counters count a prompt (and its cached part) once.
     admitted: bool = False
 
     @property
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def all_tokens(self) -> list[int]:
+        """Prompt and output (the prompt itself while nothing was generated)."""
+        return self.prompt + self.output if self.output else self.prompt
 
     @property
     def is_prefilling(self) -> bool:
@@ -70,3 +69,18 @@ class Request:
     @property
     def is_done(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    def is_stop_token(self, token: int) -> bool:
+        """True if ``token`` ends this request (its text is then not part of the reply)."""
+        return token in self.params.stop_token_ids or (
+            not self.params.ignore_eos and token in self.eos_token_ids
+        )
+
+    def finish_reason_after(self, token: int, stop_string: bool = False) -> str | None:
+        """Whether the newly generated ``token`` ends the request, and why: the one place
+        that decides it. ``stop_string``: the reply's text now contains a stop string."""
+        if stop_string or self.is_stop_token(token):
+            return "stop"
+        if len(self.output) >= self.params.max_new_tokens:
+            return "length"
+        return None

@@ -4,10 +4,9 @@ One step = ``schedule()`` (plan a batch: decodes, prefill chunks of running requ
 admissions in policy order, all within ``max_batch_tokens`` and ``max_running``) followed by
 ``commit()`` (append sampled tokens, insert computed prefixes into the tree, finish requests).
 
-Page ownership, at every moment: each page is free, in the tree, or in exactly one running
-request's private tail. A running request's page table is ``tree part + private tail``: the
-tree part (``request.tree_len`` tokens) is the path to ``request.node``, which the request
-keeps locked; the tail holds tokens computed since, or allocated for this step.
+Where KV lives is the ``KVManager``'s business: a running request holds one ``CacheHandle``
+(its page table: the tree's pages of its cached prefix, then its private pages), and the
+scheduler only asks the manager to acquire, grow, cache and release it.
 """
 
 from __future__ import annotations
@@ -16,15 +15,16 @@ import bisect
 import itertools
 import math
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
-from radix import Node, PageAllocator, RadixCache
+from radix import KVManager
 from scheduler.batch import Batch, BatchEntry
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.grouping import PrefillClaims
 from scheduler.matching import MatchIndex, matchable_length, root_anchor
+from scheduler.params import SamplingParams
 from scheduler.policy import make_queue
 from scheduler.request import Request, RequestState
 
@@ -41,27 +41,23 @@ class _StepPlan:
 class Scheduler:
     """Continuous batching with chunked prefill, prefix-aware admission and preemption.
 
-    The scheduler must be the only one that inserts into and evicts from ``cache`` (it tracks
-    the waiting requests' matches through those calls) and the only user of ``allocator``.
+    ``kv`` must not be shared with another scheduler: each request's handle comes from it.
     """
 
-    def __init__(
-        self,
-        cache: RadixCache,
-        allocator: PageAllocator,
-        config: SchedulerConfig | None = None,
-    ) -> None:
-        config = config if config is not None else SchedulerConfig(page_size=cache.page_size)
-        if config.page_size != cache.page_size:
+    def __init__(self, kv: KVManager, config: SchedulerConfig | None = None) -> None:
+        if config is None:
+            config = SchedulerConfig(page_size=kv.page_size, prefix_cache=kv.prefix_cache)
+        if config.page_size != kv.page_size:
+            raise ValueError(f"page_size: config has {config.page_size}, the KV {kv.page_size}")
+        if config.prefix_cache != kv.prefix_cache:
             raise ValueError(
-                f"page_size: config has {config.page_size}, the cache {cache.page_size}"
+                f"prefix_cache: config has {config.prefix_cache}, the KV {kv.prefix_cache}"
             )
-        self._cache = cache
-        self._allocator = allocator
+        self._kv = kv
         self._config = config
         self._page_size = config.page_size
         self._queue = make_queue(config.policy, config.page_size)
-        self._matches = MatchIndex(cache)
+        self._matches = MatchIndex(kv)
         self._resume: list[Request] = []  # preempted requests, oldest arrival first
         self._resume_keys: list[int] = []  # their arrivals (bisect index)
         self._running: dict[Request, None] = {}  # admission order: the last is the newest
@@ -79,9 +75,13 @@ class Scheduler:
         return self._config
 
     @property
+    def kv(self) -> KVManager:
+        return self._kv
+
+    @property
     def counters(self) -> SchedulerCounters:
-        """A snapshot of the monotone counters."""
-        return replace(self._counters)
+        """A snapshot of the monotone counters (evicted pages as the KV manager counts them)."""
+        return replace(self._counters, evicted_pages=self._kv.stats().evicted)
 
     @property
     def has_work(self) -> bool:
@@ -112,20 +112,20 @@ class Scheduler:
             raise ValueError(f"request: must be a new WAITING request, got {request.state.value}")
         if request.id in self._live:
             raise ValueError(f"request.id: {request.id!r} is already queued or running")
+        if not isinstance(request.params, SamplingParams):
+            raise ValueError(
+                f"request.params: expected SamplingParams, got {type(request.params).__name__}"
+            )
         if not isinstance(request.prompt, list):
             request.prompt = list(request.prompt)
         if not request.prompt:
             raise ValueError("request.prompt: must hold at least 1 token, got 0")
-        if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
-            raise ValueError(
-                f"request.max_new_tokens: must be an int >= 1, got {request.max_new_tokens!r}"
-            )
         pages = _pages_for(len(request.prompt) + request.max_new_tokens - 1, self._page_size)
-        if pages > self._allocator.num_pages:
+        if pages > self._kv.num_pages:
             raise ValueError(
                 f"request.prompt: {len(request.prompt)} tokens + max_new_tokens "
                 f"{request.max_new_tokens} need {pages} KV pages, the pool has "
-                f"{self._allocator.num_pages}"
+                f"{self._kv.num_pages}"
             )
         request.arrival = next(self._arrivals)
         request.output = list(request.output)
@@ -144,19 +144,6 @@ class Scheduler:
             self._drop_waiting(request)
         self._retire(request, RequestState.ABORTED, "abort")
         self._counters.aborted += 1
-        return request
-
-    def finish(self, request_id: int | str, reason: str = "stop") -> Request | None:
-        """Finish a request the engine found done (a stop string), as on a stop token."""
-        request = self._live.get(request_id)
-        if request is None:
-            return None
-        if request.state is RequestState.RUNNING:
-            self._release(request, keep=True)
-        else:
-            self._drop_waiting(request)
-        self._retire(request, RequestState.FINISHED, reason)
-        self._record_finish(request)
         return request
 
     def schedule(self) -> Batch | None:
@@ -193,8 +180,18 @@ class Scheduler:
         self._inflight = batch
         return batch
 
-    def commit(self, batch: Batch, next_tokens: Sequence[int]) -> list[Request]:
-        """Apply a forward pass's results; returns the requests it finished."""
+    def commit(
+        self,
+        batch: Batch,
+        next_tokens: Sequence[int],
+        stop_strings: Container[Request] = (),
+    ) -> list[Request]:
+        """Apply a forward pass's results; returns the requests it finished.
+
+        Here, and only here, a request is found finished (``Request.finish_reason_after``):
+        on a stop token, on reaching max_new_tokens, or when it is in ``stop_strings`` (its
+        text, with this step's token, holds a stop string: the caller's detokeniser reports).
+        """
         if batch is not self._inflight:
             raise ValueError("batch: not the batch returned by the last schedule()")
         if len(next_tokens) != len(batch.entries):
@@ -219,11 +216,7 @@ class Scheduler:
                 counters.generated_tokens += 1
                 if request.first_token_time is None:
                     request.first_token_time = time.monotonic()
-                reason = None
-                if token in request.stop_token_ids:
-                    reason = "stop"
-                elif len(request.output) >= request.max_new_tokens:
-                    reason = "length"
+                reason = request.finish_reason_after(token, request in stop_strings)
                 if reason is not None:
                     self._release(request, keep=True)
                     self._retire(request, RequestState.FINISHED, reason)
@@ -241,48 +234,18 @@ class Scheduler:
         self._inflight = None
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every page is owned exactly once.
-
-        Owners: the allocator's free list, one tree node, or one running request's private
-        tail. A running request's tree part must be exactly the path to its locked node; a
-        waiting request holds nothing. At idle, free + cached == total and nothing is locked.
-        """
-        cache, allocator = self._cache, self._allocator
-        cache.check_invariants()
-        tree_pages = _tree_pages(cache)
-        for page in tree_pages:
-            assert not allocator.is_free(page), f"page {page} is both free and in the tree"
-        private: set[int] = set()
-        p = self._page_size
+        """Raise AssertionError unless every page is owned exactly once (``KVManager.check``
+        over the running requests' handles) and no waiting request holds any KV."""
         for request in self._running:
             assert request.state is RequestState.RUNNING, f"{request.id}: running but {request.state}"
-            assert request.tree_len % p == 0, f"{request.id}: tree_len not page-aligned"
-            shared = request.pages[: request.tree_len // p]
-            assert request.node is not None and request.node.own_locks > 0, (
-                f"{request.id}: holds no lock on its node"
-            )
-            assert _path_pages(request.node) == shared, (
-                f"{request.id}: page table's tree part differs from its node's path"
-            )
-            assert request.num_computed <= len(request.pages) * p, (
+            assert request.kv is not None, f"{request.id}: running without KV"
+            assert request.num_computed <= len(request.kv.pages) * self._page_size, (
                 f"{request.id}: computed tokens beyond its pages"
             )
-            for page in request.pages[request.tree_len // p :]:
-                assert page not in private, f"page {page} is private to two requests"
-                assert page not in tree_pages, f"page {page} is private and in the tree"
-                assert not allocator.is_free(page), f"page {page} is private and free"
-                private.add(page)
-        total = allocator.num_free + len(tree_pages) + len(private)
-        assert total == allocator.num_pages, (
-            f"free {allocator.num_free} + tree {len(tree_pages)} + private {len(private)} "
-            f"!= {allocator.num_pages} pages"
-        )
+        self._kv.check(request.kv for request in self._running if request.kv is not None)
         for request in itertools.chain(self._resume, self._queue.candidates()):
             assert request.state is RequestState.WAITING
-            assert not request.pages and request.node is None, f"{request.id}: waiting with pages"
-        if not self._running:
-            assert allocator.num_free + cache.cached_pages == allocator.num_pages, "idle leak"
-            assert cache.protected_pages == 0, "idle with locked pages"
+            assert request.kv is None, f"{request.id}: waiting with KV"
 
     # ------------------------------------------------------------------ planning
 
@@ -294,16 +257,18 @@ class Scheduler:
         """
         p = self._page_size
         start = request.num_computed
+        kv = request.kv
+        assert kv is not None
         if n > 1:
-            room = (len(request.pages) + self._allocator.num_free + self._cache.evictable_pages)
+            room = len(kv.pages) + self._kv.available
             n = max(1, min(n, room * p - start))
-        while not self._ensure_pages(request, start + n):
+        while not self._kv.allocate(kv, start + n):
             victim = next(reversed(self._running))
             self._preempt(victim, plan)
             if victim is request:
                 return
         tokens = _token_slice(request, start, start + n)
-        pages = request.pages[: _pages_for(start + n, p)]
+        pages = kv.pages[: _pages_for(start + n, p)]
         slots = [pages[pos // p] * p + pos % p for pos in range(start, start + n)]
         sample = start + n == request.num_tokens
         plan.entries[request] = BatchEntry(request, tokens, start, pages, slots, sample)
@@ -331,7 +296,7 @@ class Scheduler:
         claims = PrefillClaims(p, cfg.group_min_pages)
         for request in self._running:
             if cfg.prefix_cache and request.is_prefilling:
-                claims.claim(_tokens(request), request.tree_len, self._anchor(request))
+                claims.claim(request.all_tokens, request.kv.cached_len, self._anchor(request))
         matches = self._matches
         admitted_now: list[Request] = []
         lookahead = cfg.max_lookahead
@@ -339,7 +304,7 @@ class Scheduler:
             if plan.budget <= 0 or len(self._running) >= cfg.max_running or lookahead <= 0:
                 break
             match = matches.get(request)
-            tokens = _tokens(request)
+            tokens = request.all_tokens
             cap = matchable_length(len(tokens), p)
             if claims.covers(tokens, match.length, cap, match.anchor):
                 self._counters.grouped_deferrals += 1
@@ -351,7 +316,7 @@ class Scheduler:
             committed = result
             admitted_now.append(request)
             if cfg.prefix_cache and request.state is RequestState.RUNNING and request.is_prefilling:
-                claims.claim(tokens, request.tree_len, self._anchor(request))
+                claims.claim(tokens, request.kv.cached_len, self._anchor(request))
         for request in admitted_now:
             if request.state is RequestState.RUNNING:
                 self._queue.running_started(request)
@@ -360,27 +325,23 @@ class Scheduler:
 
     def _try_admit(self, plan: _StepPlan, request: Request, committed: int) -> int | None:
         """Admit ``request`` if memory allows; returns the new committed page count."""
-        cache = self._cache
-        tokens = _tokens(request)
+        tokens = request.all_tokens
         cap = matchable_length(len(tokens), self._page_size)
-        found = cache.match_prefix(tokens[:cap], request.namespace)
-        cache.lock(found.node)  # before anything can evict the matched pages
-        need = self._projected_pages(request) - len(found.pages)
-        if committed + need > self._allocator.num_free + cache.evictable_pages:
-            cache.unlock(found.node)
+        kv = self._kv.acquire(tokens[:cap], request.namespace)  # locked: nothing evicts it now
+        need = self._projected_pages(request) - len(kv.pages)
+        if committed + need > self._kv.available:
+            self._kv.release(kv)
             return None
         request.state = RequestState.RUNNING
-        request.node = found.node
-        request.pages = list(found.pages)
-        request.tree_len = found.length
-        request.num_computed = found.length
+        request.kv = kv
+        request.num_computed = kv.cached_len
         self._running[request] = None
         if not request.admitted:
             request.admitted = True
-            request.cached_tokens = found.length
+            request.cached_tokens = kv.cached_len
             self._counters.prompt_tokens += len(request.prompt)
-            self._counters.cached_tokens += found.length
-        remaining = len(tokens) - found.length
+            self._counters.cached_tokens += kv.cached_len
+        remaining = len(tokens) - kv.cached_len
         self._plan_tokens(plan, request, min(remaining, plan.budget))
         if request.state is not RequestState.RUNNING:
             return committed  # preempted itself: nothing fits after all (cannot happen)
@@ -396,77 +357,24 @@ class Scheduler:
         return _pages_for(min(most, request.num_tokens + estimate), self._page_size)
 
     def _outstanding_pages(self, request: Request) -> int:
-        return max(0, self._projected_pages(request) - len(request.pages))
-
-    def _ensure_pages(self, request: Request, num_tokens: int) -> bool:
-        """Grow ``request``'s page table to hold ``num_tokens`` tokens (evicting if needed)."""
-        need = _pages_for(num_tokens, self._page_size) - len(request.pages)
-        if need <= 0:
-            return True
-        pages = self._alloc(need)
-        if pages is None:
-            return False
-        request.pages.extend(pages)
-        return True
-
-    def _alloc(self, n: int) -> list[int] | None:
-        allocator = self._allocator
-        short = n - allocator.num_free
-        if short > 0:
-            if short > self._cache.evictable_pages:
-                return None
-            freed = self._cache.evict(short)
-            allocator.free(freed)
-            self._counters.evicted_pages += len(freed)
-            self._matches.pages_evicted(freed)
-        return allocator.alloc(n)
+        held = len(request.kv.pages) if request.kv is not None else 0
+        return max(0, self._projected_pages(request) - held)
 
     def _cache_computed(self, request: Request) -> None:
-        """Insert the computed whole pages into the tree and re-point the page table at them.
-
-        The request's pages for tokens the tree already had are duplicates: they are freed and
-        replaced by the tree's; its lock moves down to the new node.
-        """
-        if not self._config.prefix_cache:
-            return  # nothing is shared: the request's pages stay private and are freed at the end
-        p = self._page_size
-        aligned = (request.num_computed // p) * p
-        if aligned <= request.tree_len:
-            return
-        cache = self._cache
-        tokens = _token_slice(request, 0, aligned)
-        namespace = request.namespace
-        num_pages = aligned // p
-        already = cache.insert(tokens, request.pages[:num_pages], namespace)
-        found = cache.match_prefix(tokens, namespace)
-        assert found.length == aligned, "the tree lost a prefix it was just given"
-        cache.lock(found.node)
-        if request.node is not None:
-            cache.unlock(request.node)
-        request.node = found.node
-        duplicates = request.pages[request.tree_len // p : already // p]
-        if duplicates:
-            self._allocator.free(duplicates)
-        request.pages[:num_pages] = found.pages
-        request.tree_len = aligned
-        if already < aligned:
-            anchor = found.pages[already // p - 1] if already else root_anchor(namespace)
-            self._matches.tree_extended(anchor, tuple(tokens[already : already + p]))
+        """Hand the computed whole pages to the tree, so requests waiting on the same prefix
+        hit it next step."""
+        assert request.kv is not None
+        self._kv.cache(request.kv, _token_slice(request, 0, request.num_computed))
 
     # ------------------------------------------------------------------ state changes
 
     def _release(self, request: Request, keep: bool) -> None:
-        """Take ``request`` off the running set, freeing its tail and dropping its lock."""
-        if keep:
-            self._cache_computed(request)
-        private = request.pages[request.tree_len // self._page_size :]
-        if private:
-            self._allocator.free(private)
-        if request.node is not None:
-            self._cache.unlock(request.node)
-        request.pages = []
-        request.node = None
-        request.tree_len = 0
+        """Take ``request`` off the running set; its computed whole pages go to the tree when
+        ``keep``, its private pages back to the free list."""
+        assert request.kv is not None
+        computed = _token_slice(request, 0, request.num_computed) if keep else None
+        self._kv.release(request.kv, computed)
+        request.kv = None
         del self._running[request]
         self._queue.running_ended(request)
 
@@ -486,9 +394,11 @@ class Scheduler:
 
     def _anchor(self, request: Request) -> Hashable:
         """Where a running request's tree part ends: its last tree page, or the root."""
-        if request.tree_len == 0:
+        kv = request.kv
+        assert kv is not None
+        if kv.cached_len == 0:
             return root_anchor(request.namespace)
-        return request.pages[request.tree_len // self._page_size - 1]
+        return kv.pages[kv.cached_len // self._page_size - 1]
 
     def _push_waiting(self, request: Request) -> None:
         match = self._matches.add(request)
@@ -522,11 +432,6 @@ def _pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def _tokens(request: Request) -> list[int]:
-    """Every token of ``request`` (the prompt itself when nothing was generated yet)."""
-    return request.prompt if not request.output else request.prompt + request.output
-
-
 def _token_slice(request: Request, start: int, end: int) -> list[int]:
     """``(prompt + output)[start:end]`` without building the concatenation."""
     prompt = request.prompt
@@ -536,24 +441,3 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     if start >= n:
         return request.output[start - n : end - n]
     return prompt[start:] + request.output[: end - n]
-
-
-def _tree_pages(cache: RadixCache) -> set[int]:
-    pages: set[int] = set()
-    for namespace in cache.namespaces:
-        stack = [cache.root(namespace)]
-        while stack:
-            node = stack.pop()
-            for page in node.pages:
-                assert page not in pages, f"page {page} appears twice in the tree"
-                pages.add(page)
-            stack.extend(node.children.values())
-    return pages
-
-
-def _path_pages(node: Node | None) -> list[int]:
-    chunks = []
-    while node is not None:
-        chunks.append(node.pages)
-        node = node.parent
-    return [page for chunk in reversed(chunks) for page in chunk]

@@ -21,7 +21,7 @@ def _one_thread() -> None:
 @pytest.fixture(scope="session")
 def loaded_fp32() -> Any:
     """Our model for the bundled SmolLM2, float32 on the CPU (exactness tests)."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     _one_thread()
     return load_model(None, "cpu", "float32")
@@ -30,7 +30,7 @@ def loaded_fp32() -> Any:
 @pytest.fixture(scope="session")
 def hf_model() -> Any:
     """transformers' own model for the bundled SmolLM2, float32 on the CPU (the reference)."""
-    from engine.loader import load_hf_reference
+    from engine.model.loader import load_hf_reference
 
     _one_thread()
     return load_hf_reference()

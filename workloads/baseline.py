@@ -32,7 +32,7 @@ class BaselineResult(msgspec.Struct):
 
 def load_baseline_model(model: str | None, dtype: torch.dtype) -> Any:
     """transformers' own model for ``model`` (None: the bundled one) in ``dtype`` on the CPU."""
-    from engine.loader import load_hf_reference
+    from engine.model.loader import load_hf_reference
 
     return load_hf_reference(model).to(dtype)
 

@@ -345,12 +345,12 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     args = parse_args(argv)
     import torch
 
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     # The engines take this many threads for prefill (and one for decode steps, see
-    # engine.threads); transformers' baseline runs with all of them.
+    # engine.model.threads); transformers' baseline runs with all of them.
     args.torch_threads = torch.get_num_threads()
 
     loaded = load_model(args.model, args.device, args.dtype)

@@ -172,14 +172,14 @@ def main(argv: Sequence[str] | None = None) -> list[DemoRow]:
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for prefill (0: the machine's cores); decode steps run "
-                        "on one thread either way (see engine/threads.py)")
+                        "on one thread either way (see engine/model/threads.py)")
     args = p.parse_args(argv)
 
     started = time.perf_counter()
     import torch
 
     from engine import Engine, SamplingParams
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.chat import continue_tokens
+from engine.serving.chat import continue_tokens
 from workloads.text import encode
 from workloads.tokenizer import TextTokenizer
 from workloads.trace import Session, Trace

@@ -19,8 +19,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from radix import PageAllocator, RadixCache
-from scheduler import POLICIES, Request, Scheduler, SchedulerConfig
+from radix import KVManager
+from scheduler import POLICIES, Request, SamplingParams, Scheduler, SchedulerConfig
 from workloads.synthetic import TRACES, VOCAB, SimTrace
 
 
@@ -115,28 +115,20 @@ def simulate(
     """Run ``trace`` to completion through a Scheduler over a ``num_pages`` pool."""
     stats = stats if stats is not None else trace_stats(trace, page_size)
     started = time.perf_counter()
-    cache = RadixCache(page_size)
-    sched = Scheduler(
-        cache, PageAllocator(num_pages), SchedulerConfig(page_size=page_size, policy=policy, **config)
-    )
+    sched_config = SchedulerConfig(page_size=page_size, policy=policy, **config)
+    kv = KVManager(num_pages, page_size, sched_config.prefix_cache)
+    sched = Scheduler(kv, sched_config)
     sessions = trace.sessions
     arrivals = [(session.arrival, s) for s, session in enumerate(sessions)]
     heapq.heapify(arrivals)
-    next_id = 0
+    turn_of: dict[int, tuple[int, int]] = {}  # request id -> (session, turn)
 
     def submit(s: int, t: int, history: list[int]) -> None:
-        nonlocal next_id
         turn = sessions[s].turns[t]
-        sched.add(
-            Request(
-                id=next_id,
-                prompt=history + turn.user,
-                max_new_tokens=turn.max_new_tokens,
-                namespace=sessions[s].namespace,
-                data=(s, t),
-            )
-        )
-        next_id += 1
+        request_id = len(turn_of)
+        turn_of[request_id] = (s, t)
+        params = SamplingParams(max_new_tokens=turn.max_new_tokens)
+        sched.add(Request(request_id, history + turn.user, params, sessions[s].namespace))
 
     step = 0
     decode_tokens = 0
@@ -153,13 +145,13 @@ def simulate(
         tokens = []
         for entry in batch.entries:
             if entry.sample:
-                s, t = entry.request.data
+                s, t = turn_of[entry.request.id]
                 tokens.append(reply_token(s, t, len(entry.request.output)))
             else:
                 tokens.append(-1)
         decode_tokens += batch.num_decode
         for request in sched.commit(batch, tokens):
-            s, t = request.data
+            s, t = turn_of[request.id]
             if t + 1 < len(sessions[s].turns):
                 submit(s, t + 1, request.prompt + request.output)
         step += 1

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
+from engine.model.attention.torch_backend import TorchAttentionBackend
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
+from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
 
@@ -62,7 +63,7 @@ def decode_case(
     pool.k_cache[0].normal_(generator=gen)
     pool.v_cache[0].normal_(generator=gen)
     entries = [
-        make_entry(Request(i, [0] * n, 4, output=[1]), [0], n - 1, t, page_size)
+        make_entry(Request(i, [0] * n, SamplingParams(max_new_tokens=4), output=[1]), [0], n - 1, t, page_size)
         for i, (t, n) in enumerate(zip(tables, lengths))
     ]
     slots = torch.cat([torch.tensor(e.slots) for e in entries])
@@ -101,7 +102,7 @@ def run_mixed_batch(
     for i, ((start, n), table) in enumerate(zip(shapes, tables)):
         k = torch.randn(start + n, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(start + n, num_kv_heads, head_dim, generator=gen)
-        req = Request(i, list(range(start + n)), 4, output=[1] if n == 1 and start > 0 else [])
+        req = Request(i, list(range(start + n)), SamplingParams(max_new_tokens=4), output=[1] if n == 1 and start > 0 else [])
         if start:
             slots = torch.tensor(make_entry(req, [0] * start, 0, table, page_size).slots)
             pool.k_flat(0)[slots] = k[:start]

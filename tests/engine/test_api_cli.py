@@ -9,7 +9,7 @@ import sys
 
 from engine_helpers import greedy
 
-from engine.cli import build_parser, run_chat, run_generate
+from engine.serving.cli import build_parser, run_chat, run_generate
 
 
 def test_chat_streams_replies_with_a_status_line_per_turn(engine, capsys) -> None:
@@ -44,7 +44,7 @@ def test_parser_knows_the_documented_options() -> None:
 
 def test_help_runs_without_loading_a_model() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "engine.serving.cli", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0
     assert "chat" in result.stdout and "generate" in result.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.serving.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "héllo wörld, café crème brûlée",

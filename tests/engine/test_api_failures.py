@@ -9,45 +9,50 @@ import pytest
 from engine_helpers import assert_idle_accounting, greedy
 
 from engine import EngineDeadError
+from engine.serving import engine as serving_engine
+from engine.serving.detokenizer import IncrementalDetokenizer
 
 
 class InjectedFailure(RuntimeError):
     pass
 
 
-def _fail_at_third_token(request) -> None:
-    if len(request.output) >= 3:
-        raise InjectedFailure(f"request {request.id} broke at token 3")
+class DetokenizerBrokenAtThirdToken(IncrementalDetokenizer):
+    """Processing this request's third token raises (on the engine loop thread)."""
+
+    def push(self, token: int) -> str:
+        self.pushed = getattr(self, "pushed", 0) + 1
+        if self.pushed >= 3:
+            raise InjectedFailure("the request broke at token 3")
+        return super().push(token)
 
 
-def test_a_failing_request_does_not_hurt_its_neighbours(engine, tokenizer, hf_greedy) -> None:
+def submit_broken(engine, monkeypatch, prompt: str, stream: bool = False):
+    with monkeypatch.context() as patch:
+        patch.setattr(serving_engine, "IncrementalDetokenizer", DetokenizerBrokenAtThirdToken)
+        return engine.submit(prompt, greedy(20), stream=stream)
+
+
+def test_a_failing_request_does_not_hurt_its_neighbours(
+    engine, tokenizer, hf_greedy, monkeypatch
+) -> None:
     prompts = [f"Neighbour {i} says that" for i in range(3)]
-    failure: list[BaseException] = []
-
-    def doomed() -> None:
-        prepared = engine._prepare("This request is doomed because", greedy(20), None)
-        try:
-            engine._generate_prepared(prepared, None, hook=_fail_at_third_token)
-        except InjectedFailure as exc:
-            failure.append(exc)
-
     before = engine.stats()
-    thread = threading.Thread(target=doomed)
-    thread.start()
+    doomed = submit_broken(engine, monkeypatch, "This request is doomed because")
     outs = engine.generate(prompts, greedy(10))
-    thread.join(timeout=120)
-    assert len(failure) == 1 and "broke at token 3" in str(failure[0])
+    with pytest.raises(InjectedFailure, match="broke at token 3"):
+        doomed.result(timeout=120)
     for out, prompt in zip(outs, prompts):
         assert out.token_ids == hf_greedy(tokenizer.encode(prompt), 10)
     assert engine.stats().failed == before.failed + 1
     assert_idle_accounting(engine)
 
 
-def test_a_failing_stream_raises_its_error_after_its_deltas(engine) -> None:
-    prepared = engine._prepare("Once upon a time", greedy(20), None)[0]
+def test_a_failing_stream_raises_its_error_after_its_deltas(engine, monkeypatch) -> None:
+    handle = submit_broken(engine, monkeypatch, "Once upon a time", stream=True)
     seen: list[str] = []
     with pytest.raises(InjectedFailure):
-        for item in engine._stream_prepared(prepared, None, hook=_fail_at_third_token):
+        for item in handle:
             seen.append(item)
     assert len(seen) <= 2
     assert_idle_accounting(engine)
@@ -59,12 +64,12 @@ def test_a_dead_loop_fails_every_waiter_and_later_calls(make_engine) -> None:
     real_commit = scheduler.commit
     commits = 0
 
-    def commit_then_break(batch, tokens):
+    def commit_then_break(batch, tokens, stop_strings=()):
         nonlocal commits
         commits += 1
         if commits == 3:
             raise RuntimeError("scheduler state corrupted")
-        return real_commit(batch, tokens)
+        return real_commit(batch, tokens, stop_strings)
 
     scheduler.commit = commit_then_break  # fault injection into the loop itself
     errors: list[BaseException] = []

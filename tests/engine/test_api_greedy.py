@@ -57,7 +57,7 @@ def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
     """Four questions under one ~400-token system prompt decode together: the shared prefix is
     read once for all four (the native kernel's shared gathers, the torch version's cascade)
     and the answers are still transformers' own."""
-    from engine.attention import exact_backend, native
+    from engine.model.attention import exact_backend, native
 
     calls = []
     if kernel == "torch":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_helpers import assert_idle_accounting, greedy
 
-from engine.stats import COUNTER_NAMES
+from engine.serving.stats import COUNTER_NAMES
 
 
 def test_counters_only_grow_and_hit_rate_is_derived(engine) -> None:

@@ -9,11 +9,16 @@ import pytest
 import torch
 from decode_cases import run_mixed_batch
 
-from engine.attention import create_backend
-from engine.attention.torch_backend import MAX_PADDING_RATIO, TorchAttentionBackend, _group_requests
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from engine.model_config import ModelConfig
+from engine.model.attention import create_backend
+from engine.model.attention.torch_backend import (
+    MAX_PADDING_RATIO,
+    TorchAttentionBackend,
+    _group_requests,
+)
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
+from engine.model.model_config import ModelConfig
+from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
 
@@ -83,7 +88,7 @@ def test_fresh_prefills_separated_by_a_decode_share_one_group(make_entry: Any) -
 
 def test_k_and_v_are_written_at_the_batch_slots(make_entry: Any) -> None:
     pool = KVPool(1, 4, 4, HKV, D)
-    entry = make_entry(Request(0, [1] * 6, 4), [1] * 6, 0, [3, 1], 4)
+    entry = make_entry(Request(0, [1] * 6, SamplingParams(max_new_tokens=4)), [1] * 6, 0, [3, 1], 4)
     fb = ForwardBatch.from_batch(Batch([entry], 4))
     backend = TorchAttentionBackend(HQ, HKV, D, torch.device("cpu"))
     backend.plan(fb)
@@ -96,7 +101,7 @@ def test_k_and_v_are_written_at_the_batch_slots(make_entry: Any) -> None:
 def test_grouping_puts_all_decodes_together_and_bounds_prefill_padding(make_entry: Any) -> None:
     shapes = [(30, 1), (0, 100), (3, 1), (0, 97), (0, 5), (9, 1), (0, 6)]
     entries = [
-        make_entry(Request(i, [0] * (s + n), 4), [0] * n, s, list(range(s + n)), 1)
+        make_entry(Request(i, [0] * (s + n), SamplingParams(max_new_tokens=4)), [0] * n, s, list(range(s + n)), 1)
         for i, (s, n) in enumerate(shapes)
     ]
     fb = ForwardBatch.from_batch(Batch(entries, 1))

@@ -11,10 +11,10 @@ import torch
 from engine_helpers import CHAT_PROMPTS, assert_idle_accounting, greedy, user
 
 from engine import Engine, SamplingParams
-from engine.attention import native
-from engine.kv_pool import KVPool
-from engine.probe import probe
-from engine.runner import ModelRunner
+from engine.model.attention import native
+from engine.model.kv_pool import KVPool
+from engine.model.probe import probe
+from engine.model.runner import ModelRunner
 from scheduler.batch import Batch
 from scheduler.request import Request
 
@@ -27,7 +27,7 @@ SYSTEM = " ".join(
 def loaded_bf16() -> Any:
     """The model in bfloat16; skipped on a CPU where bf16 products crash (the probe's child
     died there, e.g. a VM that advertises AMX but faults on it)."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     if probe().padding("bfloat16") is None:
         pytest.skip("bfloat16 products cannot run (or be made invariant) on this CPU")
@@ -64,7 +64,7 @@ def last_logits(
                 last = step == len(chunks) - 1
                 entries.append(
                     make_entry(
-                        Request(f"r{r}", chunks[step], 1),
+                        Request(f"r{r}", chunks[step], SamplingParams(max_new_tokens=1)),
                         chunks[step],
                         done[r],
                         tables[r],

@@ -12,8 +12,8 @@ from decode_cases import decode_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import cascade
-from engine.attention.cascade import attend_cascade, plan_cascade
+from engine.model.attention import cascade
+from engine.model.attention.cascade import attend_cascade, plan_cascade
 
 HQ, HKV, D = 6, 2, 16
 

@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-from engine.attention.exact import (
+from engine.model.attention.exact import (
     attend_decode,
     attend_prefill,
     plan_decode,
     plan_prefill,
 )
-from engine.rows import RowPadding, measure
+from engine.model.rows import RowPadding, measure
 
 HKV, G, D = 3, 3, 64
 SCALE = D**-0.5

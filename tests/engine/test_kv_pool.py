@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_pool import KVPool
+from engine.model.kv_pool import KVPool
 
 
 def test_pages_have_flashinfer_nhd_layout_per_layer() -> None:

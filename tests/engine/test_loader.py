@@ -9,15 +9,16 @@ from typing import Any
 import pytest
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from engine.loader import (
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
+from engine.model.loader import (
     checkpoint_dir,
     load_model,
     resolve_device,
     resolve_dtype,
     resolve_source,
 )
+from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
 
@@ -154,10 +155,10 @@ def test_hf_directory_checkpoints_match_transformers(
     assert (cfg.rope_scaling is not None) == (kind == "llama3-rope")
     ids = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(1)).tolist()
     pool = KVPool(cfg.num_layers, 10, 16, cfg.num_kv_heads, cfg.head_dim)
-    batch = Batch([make_entry(Request(0, ids, 4), ids, 0, list(range(10)), 16)], 16)
+    batch = Batch([make_entry(Request(0, ids, SamplingParams(max_new_tokens=4)), ids, 0, list(range(10)), 16)], 16)
     fb = ForwardBatch.from_batch(batch)
     fb.logits_indices = torch.arange(len(ids))
-    from engine.attention import create_backend
+    from engine.model.attention import create_backend
 
     with torch.inference_mode():
         ours = loaded.model(fb, pool, create_backend("torch", cfg, loaded.device))

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from engine.runner import ModelRunner
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
+from engine.model.runner import ModelRunner
+from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
 
@@ -64,7 +65,7 @@ def test_fresh_prefill_matches_transformers_at_every_position(
     make_entry: Any, loaded_fp32: Any, hf_model: Any, token_ids: list[int], page_size: int
 ) -> None:
     runner, pages = new_runner(loaded_fp32, page_size)
-    req = Request("a", token_ids, 8)
+    req = Request("a", token_ids, SamplingParams(max_new_tokens=8))
     batch = Batch([make_entry(req, token_ids, 0, pages.take(len(token_ids)), page_size)], page_size)
     fb = ForwardBatch.from_batch(batch)
     fb.logits_indices = torch.arange(len(token_ids))
@@ -80,11 +81,11 @@ def test_prefill_over_cached_prefix_matches_transformers(
     """Request B reuses the pool pages request A wrote for the first k tokens."""
     runner, pages = new_runner(loaded_fp32, page_size)
     prefix_pages = pages.take(-(-k // page_size))
-    a = Request("a", token_ids[:k], 8)
+    a = Request("a", token_ids[:k], SamplingParams(max_new_tokens=8))
     runner.forward(
         Batch([make_entry(a, token_ids[:k], 0, prefix_pages, page_size, False)], page_size)
     )
-    b = Request("b", token_ids, 8)
+    b = Request("b", token_ids, SamplingParams(max_new_tokens=8))
     b_pages = prefix_pages + pages.take(len(token_ids))
     logits = runner.forward(Batch([make_entry(b, token_ids[k:], k, b_pages, page_size)], page_size))
     assert max_diff(logits[0], hf_logits(hf_model, token_ids)[-1]) < TOL
@@ -96,7 +97,7 @@ def test_prompt_prefilled_in_three_chunks_matches_transformers(
 ) -> None:
     runner, pages = new_runner(loaded_fp32, page_size)
     req_pages = pages.take(len(token_ids))
-    req = Request("a", token_ids, 8)
+    req = Request("a", token_ids, SamplingParams(max_new_tokens=8))
     ref = hf_logits(hf_model, token_ids)
     bounds = [0, 13, 37, len(token_ids)]  # chunk ends fall mid-page for page_size 16
     for lo, hi in zip(bounds, bounds[1:]):
@@ -112,7 +113,7 @@ def test_twenty_decode_steps_match_transformers(
     page_size = 16
     runner, pages = new_runner(loaded_fp32, page_size)
     prompt = token_ids[:30]
-    req = Request("a", prompt, 20)
+    req = Request("a", prompt, SamplingParams(max_new_tokens=20))
     req_pages = pages.take(len(prompt) + 20)
     seq = list(prompt)
     ours = [runner.forward(Batch([make_entry(req, prompt, 0, req_pages, page_size)], page_size))[0]]
@@ -134,7 +135,7 @@ def test_mixed_batch_of_four_phases_matches_transformers(
     """Fresh prefill, a chunk after a mid-page prefix, and two decodes in one forward pass."""
     runner, pages = new_runner(loaded_fp32, page_size)
     seqs = [token_ids[:23], token_ids[5:61], token_ids[10:29], token_ids[1:44]]
-    reqs = [Request(i, s, 8) for i, s in enumerate(seqs)]
+    reqs = [Request(i, s, SamplingParams(max_new_tokens=8)) for i, s in enumerate(seqs)]
     tables = [pages.take(-(-len(s) // page_size)) for s in seqs]
     # Warm-up step: request 1 computes 21 tokens (mid-page); 2 and 3 prefill their prompts.
     warm = [

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import native
+from engine.model.attention import native
 
 HKV, G, D = 3, 3, 64
 SCALE = D**-0.5

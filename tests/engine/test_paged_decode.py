@@ -10,7 +10,7 @@ import pytest
 import torch
 from decode_cases import decode_case, run_mixed_batch
 
-from engine.attention.paged_decode import attend_decode, split_into_pieces
+from engine.model.attention.paged_decode import attend_decode, split_into_pieces
 
 HQ, HKV, D = 6, 2, 16
 

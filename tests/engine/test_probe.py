@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import resolve_dtype
-from engine.probe import DTYPES, DtypeReport, choose, probe, run_child
-from engine.rows import RowPadding
+from engine.model.loader import resolve_dtype
+from engine.model.probe import DTYPES, DtypeReport, choose, probe, run_child
+from engine.model.rows import RowPadding
 
 SIGILL_CHILD = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
 

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.kv_pool import KVPool
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.model.kv_pool import KVPool
+from engine.model.runner import ModelRunner
+from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
 
@@ -45,7 +45,6 @@ def run_to_completion(
     runner: ModelRunner,
     make_entry: Any,
     requests: list[Request],
-    params: list[SamplingParams],
     stop_ids: set[int],
     first_page: int = 0,
 ) -> None:
@@ -58,7 +57,7 @@ def run_to_completion(
     entries = [make_entry(r, r.prompt, 0, t, PAGE) for r, t in zip(requests, tables)]
     live = list(range(len(requests)))
     while live:
-        tokens = runner.step(Batch(entries, PAGE), [params[i] for i in live])
+        tokens = runner.step(Batch(entries, PAGE))
         still = []
         for i, tok in zip(live, tokens):
             r = requests[i]
@@ -79,11 +78,10 @@ def test_greedy_continuations_equal_transformers_generate(
 ) -> None:
     max_new = 16
     prompts = [chat_ids(tokenizer, text) for text in CHATS]
-    requests = [Request(i, p, max_new) for i, p in enumerate(prompts)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=max_new)
+    requests = [Request(i, p, greedy) for i, p in enumerate(prompts)]
     stop = set(loaded_fp32.config.eos_token_ids)
-    run_to_completion(
-        new_runner(loaded_fp32), make_entry, requests, [SamplingParams(temperature=0)] * 5, stop
-    )
+    run_to_completion(new_runner(loaded_fp32), make_entry, requests, stop)
     for req, prompt in zip(requests, prompts):
         with torch.no_grad():
             out = hf_model.generate(
@@ -101,23 +99,27 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(
 ) -> None:
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_new_tokens=8)
     prompt = chat_ids(tokenizer, CHATS[1])
-    alone = Request("alone", prompt, 8)
-    run_to_completion(new_runner(loaded_fp32), make_entry, [alone], [seeded], set())
-    others = [Request(i, chat_ids(tokenizer, CHATS[i]), 8) for i in (0, 2)]
-    together = Request("together", prompt, 8)
-    run_to_completion(
-        new_runner(loaded_fp32),
-        make_entry,
-        [others[0], together, others[1]],
-        [SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0.5, seed=7)],
-        set(),
-    )
+    alone = Request("alone", prompt, seeded)
+    run_to_completion(new_runner(loaded_fp32), make_entry, [alone], set())
+    together = Request("together", prompt, seeded)
+    others = [
+        Request(
+            0, chat_ids(tokenizer, CHATS[0]), SamplingParams(temperature=1.0, max_new_tokens=8)
+        ),
+        Request(
+            2,
+            chat_ids(tokenizer, CHATS[2]),
+            SamplingParams(temperature=0.5, seed=7, max_new_tokens=8),
+        ),
+    ]
+    run_to_completion(new_runner(loaded_fp32), make_entry, [others[0], together, others[1]], set())
     assert together.output == alone.output
 
 
 def test_entries_that_do_not_sample_get_minus_one(loaded_fp32: Any, make_entry: Any) -> None:
     runner = new_runner(loaded_fp32, 8)
-    req_a, req_b = Request("a", [1, 2, 3], 4), Request("b", [4, 5], 4)
+    greedy = SamplingParams(temperature=0, max_new_tokens=4)
+    req_a, req_b = Request("a", [1, 2, 3], greedy), Request("b", [4, 5], greedy)
     batch = Batch(
         [
             make_entry(req_a, [1, 2, 3], 0, [0], PAGE, False),
@@ -125,25 +127,22 @@ def test_entries_that_do_not_sample_get_minus_one(loaded_fp32: Any, make_entry: 
         ],
         PAGE,
     )
-    tokens = runner.step(batch, [SamplingParams(temperature=0)] * 2)
+    tokens = runner.step(batch)
     assert tokens[0] == -1 and 0 <= tokens[1] < loaded_fp32.config.vocab_size
 
 
-def test_bad_batches_raise_value_error(loaded_fp32: Any, make_entry: Any) -> None:
+def test_bad_batches_raise_value_error_with_debug_checks(loaded_fp32: Any, make_entry: Any) -> None:
     runner = new_runner(loaded_fp32, 8)
-    ok = make_entry(Request("a", [1, 2], 4), [1, 2], 0, [0], PAGE)
-    with pytest.raises(ValueError, match="params"):
-        runner.step(Batch([ok], PAGE), [])
+    runner.debug_checks = True
+    params = SamplingParams(max_new_tokens=4)
     with pytest.raises(ValueError, match="page_size"):
-        runner.step(
-            Batch([make_entry(Request("a", [1], 4), [1], 0, [0], 4)], 4), [SamplingParams()]
-        )
-    bad_token = make_entry(Request("a", [10**6], 4), [10**6], 0, [0], PAGE)
+        runner.step(Batch([make_entry(Request("a", [1], params), [1], 0, [0], 4)], 4))
+    bad_token = make_entry(Request("a", [10**6], params), [10**6], 0, [0], PAGE)
     with pytest.raises(ValueError, match="input_ids"):
-        runner.step(Batch([bad_token], PAGE), [SamplingParams()])
-    bad_page = make_entry(Request("a", [1], 4), [1], 0, [99], PAGE)
+        runner.step(Batch([bad_token], PAGE))
+    bad_page = make_entry(Request("a", [1], params), [1], 0, [99], PAGE)
     with pytest.raises(ValueError, match="pages"):
-        runner.step(Batch([bad_page], PAGE), [SamplingParams()])
+        runner.step(Batch([bad_page], PAGE))
 
 
 def test_pool_that_does_not_fit_the_model_is_rejected(loaded_fp32: Any) -> None:

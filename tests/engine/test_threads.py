@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.kv_pool import KVPool
-from engine.runner import ModelRunner
-from engine.threads import PARALLEL_MIN_TOKENS, ThreadPolicy
+from engine.model.kv_pool import KVPool
+from engine.model.runner import ModelRunner
+from engine.model.threads import PARALLEL_MIN_TOKENS, ThreadPolicy
+from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
 
@@ -38,10 +39,10 @@ def test_runner_sets_torch_threads_per_pass(loaded_fp32: Any, make_entry: Any) -
     runner = ModelRunner(loaded_fp32, pool, threads=ThreadPolicy(2))
     before = torch.get_num_threads()
     try:
-        big = Request(0, list(range(100, 100 + PARALLEL_MIN_TOKENS)), 1)
+        big = Request(0, list(range(100, 100 + PARALLEL_MIN_TOKENS)), SamplingParams(max_new_tokens=1))
         runner.forward(Batch([make_entry(big, big.prompt, 0, list(range(8)), 16)], 16))
         assert torch.get_num_threads() == 2
-        small = Request(1, list(range(100, 120)), 1)
+        small = Request(1, list(range(100, 120)), SamplingParams(max_new_tokens=1))
         runner.forward(Batch([make_entry(small, small.prompt, 0, [20, 21], 16)], 16))
         assert torch.get_num_threads() == 1
     finally:

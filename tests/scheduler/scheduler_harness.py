@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from radix import PageAllocator, RadixCache
+from radix import KVManager, PageAllocator, RadixCache
 from scheduler import Batch, Request, Scheduler, SchedulerConfig
 
 VOCAB = 50_000
@@ -68,10 +68,9 @@ class ScriptedModel:
 def make_scheduler(
     num_pages: int, page_size: int = 4, **config: object
 ) -> tuple[Scheduler, ScriptedModel, RadixCache, PageAllocator]:
-    cache = RadixCache(page_size)
-    allocator = PageAllocator(num_pages)
-    sched = Scheduler(cache, allocator, SchedulerConfig(page_size=page_size, **config))
-    return sched, ScriptedModel(allocator, page_size), cache, allocator
+    kv = KVManager(num_pages, page_size, prefix_cache=bool(config.get("prefix_cache", True)))
+    sched = Scheduler(kv, SchedulerConfig(page_size=page_size, **config))
+    return sched, ScriptedModel(kv.allocator, page_size), kv.tree, kv.allocator
 
 
 def run_to_idle(

@@ -13,8 +13,8 @@ from scheduler_harness import (
     run_to_idle,
 )
 
-from radix import PageAllocator, RadixCache
-from scheduler import Batch, Request, RequestState, Scheduler, SchedulerConfig
+from radix import KVManager
+from scheduler import Batch, Request, RequestState, SamplingParams, Scheduler, SchedulerConfig
 
 POLICIES = ["fcfs", "lpm", "dfs-weight"]
 
@@ -43,7 +43,7 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(policy: str
         400, 16, max_batch_tokens=2048, max_running=16, policy=policy
     )
     requests = [
-        Request(id=i, prompt=prefix + random_tokens(rng, suffix), max_new_tokens=4)
+        Request(id=i, prompt=prefix + random_tokens(rng, suffix), params=SamplingParams(max_new_tokens=4))
         for i in range(8)
     ]
     for request in requests:
@@ -67,7 +67,7 @@ def test_without_grouping_the_same_requests_compute_the_prefix_several_times(
         400, 16, max_batch_tokens=2048, max_running=16, policy=policy, group_min_tokens=10_000
     )
     for i in range(8):
-        sched.add(Request(id=i, prompt=prefix + random_tokens(rng, 40), max_new_tokens=4))
+        sched.add(Request(id=i, prompt=prefix + random_tokens(rng, 40), params=SamplingParams(max_new_tokens=4)))
     run_to_idle(sched, model)
     assert sched.counters.computed_prefill_tokens > 1500
 
@@ -90,7 +90,7 @@ def hit_rate(policy: str, prompts: list[list[int]], num_pages: int) -> float:
         num_pages, 16, max_batch_tokens=512, max_running=8, policy=policy
     )
     for i, prompt in enumerate(prompts):
-        sched.add(Request(id=i, prompt=prompt, max_new_tokens=8))
+        sched.add(Request(id=i, prompt=prompt, params=SamplingParams(max_new_tokens=8)))
     run_to_idle(sched, model, check=False)
     sched.check_integrity()
     return sched.counters.hit_rate
@@ -113,12 +113,12 @@ def test_lpm_picks_the_longest_cached_prefix_among_thousands_waiting() -> None:
         2000, 16, max_batch_tokens=256, max_running=1, policy="lpm"
     )
     warm = random_tokens(rng, 200)
-    sched.add(Request(id="warm", prompt=warm + [7], max_new_tokens=1))
+    sched.add(Request(id="warm", prompt=warm + [7], params=SamplingParams(max_new_tokens=1)))
     run_to_idle(sched, model)
     for i in range(3000):
-        sched.add(Request(id=i, prompt=random_tokens(rng, 64), max_new_tokens=1))
+        sched.add(Request(id=i, prompt=random_tokens(rng, 64), params=SamplingParams(max_new_tokens=1)))
     # Arrives last, but shares 192 cached tokens: it must run first.
-    sched.add(Request(id="last", prompt=warm + random_tokens(rng, 10), max_new_tokens=1))
+    sched.add(Request(id="last", prompt=warm + random_tokens(rng, 10), params=SamplingParams(max_new_tokens=1)))
     batch, _ = step(sched, model)
     assert [e.request.id for e in batch.entries] == ["last"]
     assert batch.entries[0].start_pos == 192
@@ -131,7 +131,7 @@ def test_lpm_does_not_rematch_every_waiting_request_every_step() -> None:
     )
     shared = [random_tokens(rng, 64) for _ in range(20)]
     for i in range(2000):
-        sched.add(Request(id=i, prompt=shared[i % 20] + random_tokens(rng, 32), max_new_tokens=2))
+        sched.add(Request(id=i, prompt=shared[i % 20] + random_tokens(rng, 32), params=SamplingParams(max_new_tokens=2)))
     before = sched._matches.rematches
     steps = 0
     for _ in range(50):
@@ -152,8 +152,8 @@ def test_chunked_prefill_never_makes_a_sharing_request_read_a_freed_page() -> No
     sched, model, _, allocator = make_scheduler(
         200, 4, max_batch_tokens=max_batch_tokens, max_running=4
     )
-    first = Request(id="long", prompt=long_prompt, max_new_tokens=3)
-    second = Request(id="shares", prompt=long_prompt[:300] + [11, 12, 13], max_new_tokens=3)
+    first = Request(id="long", prompt=long_prompt, params=SamplingParams(max_new_tokens=3))
+    second = Request(id="shares", prompt=long_prompt[:300] + [11, 12, 13], params=SamplingParams(max_new_tokens=3))
     sched.add(first)
     seen_second = False
 
@@ -178,9 +178,9 @@ def test_chunked_prefill_never_makes_a_sharing_request_read_a_freed_page() -> No
 def test_decodes_and_prefill_chunks_share_a_step_within_the_budget() -> None:
     rng = random.Random(5)
     sched, model, _, _ = make_scheduler(200, 4, max_batch_tokens=32, max_running=8)
-    sched.add(Request(id="a", prompt=random_tokens(rng, 10), max_new_tokens=20))
+    sched.add(Request(id="a", prompt=random_tokens(rng, 10), params=SamplingParams(max_new_tokens=20)))
     step(sched, model)
-    sched.add(Request(id="b", prompt=random_tokens(rng, 100), max_new_tokens=2))
+    sched.add(Request(id="b", prompt=random_tokens(rng, 100), params=SamplingParams(max_new_tokens=2)))
     batch, _ = step(sched, model)
     kinds = {e.request.id: e.is_decode for e in batch.entries}
     assert kinds == {"a": True, "b": False}
@@ -194,15 +194,15 @@ def test_decodes_and_prefill_chunks_share_a_step_within_the_budget() -> None:
 def abort_and_check(sched: Scheduler, request: Request) -> None:
     assert sched.abort(request.id) is request
     assert request.state is RequestState.ABORTED and request.finish_reason == "abort"
-    assert not request.pages and request.node is None
+    assert request.kv is None
     assert sched.abort(request.id) is None
     sched.check_integrity()
 
 
 def test_abort_of_a_waiting_request_frees_nothing_and_drops_it() -> None:
     sched, model, _, _ = make_scheduler(40, 4, max_batch_tokens=8, max_running=1)
-    a = Request(id="a", prompt=list(range(10, 30)), max_new_tokens=2)
-    b = Request(id="b", prompt=list(range(10, 30)), max_new_tokens=2)
+    a = Request(id="a", prompt=list(range(10, 30)), params=SamplingParams(max_new_tokens=2))
+    b = Request(id="b", prompt=list(range(10, 30)), params=SamplingParams(max_new_tokens=2))
     sched.add(a)
     sched.add(b)
     step(sched, model)
@@ -213,8 +213,8 @@ def test_abort_of_a_waiting_request_frees_nothing_and_drops_it() -> None:
 
 def test_abort_mid_prefill_and_mid_decode_frees_everything() -> None:
     sched, model, cache, allocator = make_scheduler(40, 4, max_batch_tokens=8, max_running=2)
-    prefilling = Request(id="p", prompt=list(range(100, 130)), max_new_tokens=4)
-    decoding = Request(id="d", prompt=list(range(10, 16)), max_new_tokens=30)
+    prefilling = Request(id="p", prompt=list(range(100, 130)), params=SamplingParams(max_new_tokens=4))
+    decoding = Request(id="d", prompt=list(range(10, 16)), params=SamplingParams(max_new_tokens=30))
     sched.add(decoding)
     step(sched, model)
     sched.add(prefilling)
@@ -230,7 +230,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything() -> None:
 
 def test_abort_between_schedule_and_commit_skips_the_entry() -> None:
     sched, model, _, _ = make_scheduler(40, 4, max_batch_tokens=16, max_running=2)
-    request = Request(id="x", prompt=list(range(10, 20)), max_new_tokens=4)
+    request = Request(id="x", prompt=list(range(10, 20)), params=SamplingParams(max_new_tokens=4))
     sched.add(request)
     batch = sched.schedule()
     assert batch is not None
@@ -246,8 +246,8 @@ def test_abort_of_a_preempted_request_and_of_a_finished_one() -> None:
         10, 4, max_batch_tokens=16, max_running=2, reserve_ratio_init=0.0,
         reserve_ratio_min=0.0, reserve_margin=0.0,
     )
-    old = Request(id="old", prompt=list(range(10, 18)), max_new_tokens=24)
-    new = Request(id="new", prompt=list(range(50, 58)), max_new_tokens=24)
+    old = Request(id="old", prompt=list(range(10, 18)), params=SamplingParams(max_new_tokens=24))
+    new = Request(id="new", prompt=list(range(50, 58)), params=SamplingParams(max_new_tokens=24))
     sched.add(old)
     sched.add(new)
     for _ in range(30):
@@ -269,8 +269,8 @@ def test_a_preempted_request_resumes_with_a_hit_and_continues_its_output() -> No
         14, 4, max_batch_tokens=32, max_running=2, reserve_ratio_init=0.0,
         reserve_ratio_min=0.0, reserve_margin=0.0,
     )
-    old = Request(id="old", prompt=list(range(10, 22)), max_new_tokens=20)
-    new = Request(id="new", prompt=list(range(50, 62)), max_new_tokens=20)
+    old = Request(id="old", prompt=list(range(10, 22)), params=SamplingParams(max_new_tokens=20))
+    new = Request(id="new", prompt=list(range(50, 62)), params=SamplingParams(max_new_tokens=20))
     sched.add(old)
     sched.add(new)
     resumed_at: list[int] = []
@@ -294,9 +294,7 @@ def test_a_preempted_request_resumes_with_a_hit_and_continues_its_output() -> No
 
 def test_stop_token_finishes_and_keeps_the_token() -> None:
     sched, model, cache, _ = make_scheduler(40, 4, max_batch_tokens=16, max_running=2)
-    request = Request(
-        id="s", prompt=list(range(10, 20)), max_new_tokens=10, stop_token_ids=frozenset({STOP})
-    )
+    request = Request(id="s", prompt=list(range(10, 20)), params=SamplingParams(max_new_tokens=10, stop_token_ids=[STOP]))
     model.stop_at["s"] = 3
     sched.add(request)
     run_to_idle(sched, model)
@@ -308,15 +306,16 @@ def test_stop_token_finishes_and_keeps_the_token() -> None:
     assert match.length == ((len(request.prompt) + 3) // 4) * 4
 
 
-def test_engine_finish_releases_a_running_request_as_stopped() -> None:
+def test_a_reported_stop_string_finishes_a_running_request_as_stopped() -> None:
     sched, model, cache, allocator = make_scheduler(40, 4, max_batch_tokens=16, max_running=2)
-    request = Request(id="f", prompt=list(range(10, 20)), max_new_tokens=10)
+    request = Request(id="f", prompt=list(range(10, 20)), params=SamplingParams(max_new_tokens=10))
     sched.add(request)
     step(sched, model)
-    step(sched, model)
-    assert sched.finish("f") is request
+    batch = sched.schedule()
+    assert batch is not None
+    assert sched.commit(batch, model.step(batch), stop_strings={request}) == [request]
     assert request.state is RequestState.FINISHED and request.finish_reason == "stop"
-    assert sched.finish("f") is None
+    assert len(request.output) == 2
     assert not sched.has_work
     sched.check_integrity()
     assert allocator.num_free + cache.cached_pages == allocator.num_pages
@@ -325,11 +324,11 @@ def test_engine_finish_releases_a_running_request_as_stopped() -> None:
 def test_namespaces_never_share_cached_prefixes() -> None:
     sched, model, _, _ = make_scheduler(60, 4, max_batch_tokens=64, max_running=4)
     prompt = list(range(10, 50))
-    a = Request(id="a", prompt=prompt, max_new_tokens=1, namespace="tenant-a")
+    a = Request(id="a", prompt=prompt, params=SamplingParams(max_new_tokens=1), namespace="tenant-a")
     sched.add(a)
     run_to_idle(sched, model)
-    b = Request(id="b", prompt=prompt, max_new_tokens=1, namespace="tenant-b")
-    c = Request(id="c", prompt=prompt, max_new_tokens=1, namespace="tenant-a")
+    b = Request(id="b", prompt=prompt, params=SamplingParams(max_new_tokens=1), namespace="tenant-b")
+    c = Request(id="c", prompt=prompt, params=SamplingParams(max_new_tokens=1), namespace="tenant-a")
     sched.add(b)
     sched.add(c)
     run_to_idle(sched, model)
@@ -341,7 +340,7 @@ def test_counters_only_grow() -> None:
     sched, model, _, _ = make_scheduler(30, 4, max_batch_tokens=16, max_running=3)
     previous = sched.counters
     for i in range(12):
-        sched.add(Request(id=i, prompt=random_tokens(rng, rng.randrange(1, 30)), max_new_tokens=5))
+        sched.add(Request(id=i, prompt=random_tokens(rng, rng.randrange(1, 30)), params=SamplingParams(max_new_tokens=5)))
     while sched.has_work:
         step(sched, model)
         now = sched.counters
@@ -361,22 +360,22 @@ def test_bad_config_and_requests_raise_value_errors_naming_the_field() -> None:
     with pytest.raises(ValueError, match="max_running"):
         SchedulerConfig(max_batch_tokens=8, max_running=16)
     with pytest.raises(ValueError, match="page_size"):
-        Scheduler(RadixCache(4), PageAllocator(8), SchedulerConfig(page_size=16))
+        Scheduler(KVManager(8, 4), SchedulerConfig(page_size=16))
     sched, _, _, _ = make_scheduler(8, 4, max_batch_tokens=16, max_running=2)
     with pytest.raises(ValueError, match="request.prompt"):
-        sched.add(Request(id=1, prompt=[], max_new_tokens=4))
+        sched.add(Request(id=1, prompt=[], params=SamplingParams(max_new_tokens=4)))
     with pytest.raises(ValueError, match="max_new_tokens"):
-        sched.add(Request(id=2, prompt=[5], max_new_tokens=0))
+        sched.add(Request(id=2, prompt=[5], params=SamplingParams(max_new_tokens=0)))
     with pytest.raises(ValueError, match="pages"):
-        sched.add(Request(id=3, prompt=list(range(10, 40)), max_new_tokens=4))
-    sched.add(Request(id=4, prompt=[5, 6], max_new_tokens=2))
+        sched.add(Request(id=3, prompt=list(range(10, 40)), params=SamplingParams(max_new_tokens=4)))
+    sched.add(Request(id=4, prompt=[5, 6], params=SamplingParams(max_new_tokens=2)))
     with pytest.raises(ValueError, match="request.id"):
-        sched.add(Request(id=4, prompt=[5, 6], max_new_tokens=2))
+        sched.add(Request(id=4, prompt=[5, 6], params=SamplingParams(max_new_tokens=2)))
 
 
 def test_schedule_twice_without_commit_is_refused_and_discard_recovers() -> None:
     sched, model, _, _ = make_scheduler(20, 4, max_batch_tokens=16, max_running=2)
-    sched.add(Request(id=1, prompt=list(range(10, 30)), max_new_tokens=2))
+    sched.add(Request(id=1, prompt=list(range(10, 30)), params=SamplingParams(max_new_tokens=2)))
     batch = sched.schedule()
     assert batch is not None
     with pytest.raises(RuntimeError, match="schedule"):
@@ -403,7 +402,7 @@ def test_with_the_prefix_cache_off_nothing_is_reused_or_kept() -> None:
         200, 16, max_batch_tokens=512, max_running=8, prefix_cache=False
     )
     requests = [
-        Request(id=i, prompt=prefix + random_tokens(rng, 10), max_new_tokens=3) for i in range(4)
+        Request(id=i, prompt=prefix + random_tokens(rng, 10), params=SamplingParams(max_new_tokens=3)) for i in range(4)
     ]
     sched.add(requests[0])
     run_to_idle(sched, model)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_harness import STOP, assert_output_follows_script, make_scheduler, run_to_idle
 
-from scheduler import Request, RequestState
+from scheduler import Request, RequestState, SamplingParams
 
 STEMS = [list(range(1000 * k, 1000 * k + 24)) for k in range(1, 4)]
 
@@ -78,13 +78,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = (STEMS[stem][:stem_len] if stem >= 0 else []) + suffix
         if not prompt:
             prompt = [5]
-        request = Request(
-            id=self.next_id,
-            prompt=prompt,
-            max_new_tokens=max_new,
-            namespace=namespace,
-            stop_token_ids=frozenset({STOP}),
-        )
+        request = Request(id=self.next_id, prompt=prompt, params=SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP]), namespace=namespace)
         self.next_id += 1
         if stop_at is not None:
             self.model.stop_at[request.id] = stop_at
@@ -127,7 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             assert self.sched.abort(victim.id) is victim
         assert victim.state is RequestState.ABORTED and victim.finish_reason == "abort"
-        assert not victim.pages and victim.node is None
+        assert victim.kv is None
         assert self.sched.abort(victim.id) is None
 
     @invariant()
@@ -153,7 +147,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.allocator.num_free + self.cache.cached_pages == self.allocator.num_pages
         for request in self.requests:
             assert request.is_done, f"request {request.id} neither finished nor aborted"
-            assert not request.pages and request.node is None
+            assert request.kv is None
             assert_output_follows_script(self.model, request)
             if request.state is RequestState.FINISHED:
                 if request.finish_reason == "stop":

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import native
-from engine.attention.base import AttentionBackend
-from engine.attention.exact import (
+from engine.model.attention import native
+from engine.model.attention.base import AttentionBackend
+from engine.model.attention.exact import (
     DecodePlan,
     PrefillPlan,
     attend_decode,
@@ -14,16 +14,16 @@ from engine.attention.exact import (
     plan_decode,
     plan_prefill,
 )
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from engine.rows import RowPadding
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
+from engine.model.rows import RowPadding
 
 
 class ExactAttentionBackend(AttentionBackend):
     """Paged attention whose output for a query never depends on the batch, the cache or the
-    page size. With the native kernel (``engine.attention.native``, built on first use) one
+    page size. With the native kernel (``engine.model.attention.native``, built on first use) one
     call per layer attends every token; without it, the torch version
-    (``engine.attention.exact``): decodes form one group (with cascade runs over shared
+    (``engine.model.attention.exact``): decodes form one group (with cascade runs over shared
     blocks), each prefill chunk is attended on its own. The two round differently, so an
     engine uses one of them for its whole life."""
 

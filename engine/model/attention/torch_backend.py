@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend
-from engine.attention.cascade import CascadePlan, attend_cascade, plan_cascade
-from engine.attention.paged_decode import DecodePieces, attend_decode, split_into_pieces
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
+from engine.model.attention.base import AttentionBackend
+from engine.model.attention.cascade import CascadePlan, attend_cascade, plan_cascade
+from engine.model.attention.paged_decode import DecodePieces, attend_decode, split_into_pieces
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
 
 # A prefill group may cost at most this much more than its requests' own q*k areas.
 MAX_PADDING_RATIO = 1.3

@@ -1,12 +1,13 @@
 """The engine loop: one background thread owns the scheduler and the model runner.
 
 Callers (any thread, any event loop) never touch the scheduler: they post commands (add a
-request, abort one) to an inbox and wait on their request's sink. The loop thread drains the
-inbox, runs ``schedule -> runner.step -> commit``, detokenises, and delivers deltas and final
+job, abort a request) to an inbox and wait on their request's handle. The loop thread drains
+the inbox, runs ``schedule -> runner.step -> detokenise -> commit`` (the scheduler's commit
+decides which requests finished, stop strings included), and delivers deltas and final
 outputs; with nothing to do it checks the page accounting once and sleeps on a condition.
 
 Failure is contained at the smallest scope that is still safe:
-- processing one request raises (detokeniser, hook, a gone event loop): that request is aborted
+- processing one request raises (its detokeniser, a gone event loop): that request is aborted
   in the scheduler and its caller gets the error; the others go on;
 - the forward pass raises: the requests of that batch fail with the error and are aborted;
   after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed passes in a row the model is considered
@@ -20,22 +21,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineDeadError
-from engine.events import Delta, Done, Event, Failed, Sink
-from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams
-from engine.stats import EngineStats, snapshot
-from scheduler import Batch, Request, RequestState
+from engine.model.runner import ModelRunner
+from engine.serving.detokenizer import IncrementalDetokenizer
+from engine.serving.errors import EngineDeadError
+from engine.serving.handle import Delta, Done, Event, Failed, RequestHandle
+from engine.serving.outputs import RequestOutput
+from engine.serving.stats import EngineStats, snapshot
+from scheduler import Batch, Request, RequestState, Scheduler
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-# A callable run on the loop thread after each token of one request (tests inject failures).
-RequestHook = Callable[[Request], None]
 
 
 class RequestNotAdmittedError(RuntimeError):
@@ -43,25 +40,21 @@ class RequestNotAdmittedError(RuntimeError):
 
 
 @dataclass(eq=False)
-class RequestContext:
-    """What the engine keeps per request (``Request.data``; the scheduler never reads it)."""
+class Job:
+    """A request and what the serving side keeps with it (the scheduler sees the request)."""
 
-    params: SamplingParams
+    request: Request
     detokenizer: IncrementalDetokenizer
-    sink: Sink
-    prompt_tokens: int
+    handle: RequestHandle
     stream: bool  # deliver text deltas, not only the final output
-    hook: RequestHook | None = None
 
 
 class EngineLoop:
     """Runs the scheduler and the model on one daemon thread; see the module docstring."""
 
-    def __init__(self, scheduler: Any, runner: Any, cache: Any, allocator: Any) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
         self._scheduler = scheduler
-        self._runner = runner
-        self._cache = cache
-        self._allocator = allocator
+        self._runner: ModelRunner | None = runner
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -70,22 +63,22 @@ class EngineLoop:
         self._idle = threading.Event()
         self._idle.set()  # nothing queued yet
         # Loop-thread state.
-        self._live: dict[Any, Request] = {}
-        self._outbox: list[tuple[Request, Event]] = []
+        self._live: dict[Any, Job] = {}
+        self._outbox: list[tuple[Job, Event]] = []
         self._failed = 0
         self._step_failures = 0
-        self._stats: EngineStats = snapshot(scheduler, cache, allocator, 0)
+        self._stats: EngineStats = snapshot(scheduler, 0)
         self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop", daemon=True)
         self._thread.start()
 
     # ----------------------------------------------------------------- caller side (any thread)
 
-    def submit(self, request: Request) -> None:
-        """Queues a request whose ``data`` is a RequestContext; raises if the loop has stopped."""
+    def submit(self, job: Job) -> None:
+        """Queues a job; raises EngineDeadError if the loop has stopped."""
         with self._lock:
             self._raise_if_stopped()
             self._idle.clear()
-            self._inbox.append(("add", request))
+            self._inbox.append(("add", job))
             self._wake.notify()
 
     def abort(self, request_id: Any) -> None:
@@ -182,33 +175,34 @@ class EngineLoop:
             if not self._inbox and not self._has_work():
                 self._idle.set()
 
-    def _add(self, request: Request) -> None:
-        self._live[request.id] = request
+    def _add(self, job: Job) -> None:
+        self._live[job.request.id] = job
         try:
-            self._scheduler.add(request)
+            self._scheduler.add(job.request)
         except ValueError as exc:  # the scheduler refused this request alone
-            self._live.pop(request.id, None)
+            self._live.pop(job.request.id, None)
             self._failed += 1
-            self._outbox.append((request, Failed(exc)))
+            self._outbox.append((job, Failed(exc)))
 
     def _abort(self, request_id: Any) -> None:
-        request = self._live.get(request_id)
-        if request is None:
+        job = self._live.get(request_id)
+        if job is None:
             return  # finished (or failed) before the abort arrived
         self._scheduler.abort(request_id)
-        self._complete(request, "abort")
+        self._complete(job)
 
     def _on_nothing_scheduled(self) -> None:
         if self._scheduler.num_running == 0:
             # Waiting requests that cannot be admitted with nothing else running never will be.
-            stuck = [r for r in self._live.values() if r.state == RequestState.WAITING]
-            for request in stuck:
+            stuck = [j for j in self._live.values() if j.request.state == RequestState.WAITING]
+            for job in stuck:
+                request = job.request
                 error = RequestNotAdmittedError(
                     f"request {request.id!r} ({len(request.prompt)} prompt tokens + "
                     f"max_new_tokens {request.max_new_tokens}) cannot be admitted: "
                     "the KV cache is too small for it"
                 )
-                self._fail(request, error)
+                self._fail(job, error)
             if stuck:
                 return
         with self._lock:  # nothing runnable right now: do not spin
@@ -216,102 +210,97 @@ class EngineLoop:
                 self._wake.wait(0.001)
 
     def _step(self, batch: Batch) -> None:
-        params = [entry.request.data.params for entry in batch.entries]
+        assert self._runner is not None
         try:
-            next_tokens = self._runner.step(batch, params)
+            next_tokens = self._runner.step(batch)
         except Exception as exc:
             self._step_failures += 1
             if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise
             self._scheduler.discard(batch)
             for entry in batch.entries:
-                if entry.request.id in self._live:
-                    self._fail(entry.request, exc)
+                job = self._live.get(entry.request.id)
+                if job is not None:
+                    self._fail(job, exc)
             return
         self._step_failures = 0
-        finished = self._scheduler.commit(batch, next_tokens)
-        for entry in batch.entries:
-            request = entry.request
-            if entry.sample and request.id in self._live:
-                try:
-                    self._on_token(request)
-                except Exception as exc:
-                    self._fail(request, exc)
-        for request in finished:  # finished without a sampled entry: deliver all the same
-            if request.id in self._live:
-                self._complete(request, request.finish_reason or "stop")
+        # Text first: the detokeniser reports stop strings, which commit() then decides on.
+        sampled: list[tuple[Job, str]] = []
+        stop_strings: set[Request] = set()
+        for entry, token in zip(batch.entries, next_tokens):
+            job = self._live.get(entry.request.id)
+            if not entry.sample or job is None:
+                continue
+            try:
+                delta = "" if job.request.is_stop_token(token) else job.detokenizer.push(token)
+            except Exception as exc:
+                self._fail(job, exc)  # aborted now: commit() skips it
+                continue
+            if job.detokenizer.stopped:
+                stop_strings.add(job.request)
+            sampled.append((job, delta))
+        self._scheduler.commit(batch, next_tokens, stop_strings)
+        for job, delta in sampled:
+            try:
+                if job.request.is_done:
+                    delta += job.detokenizer.finish()
+                if delta and job.stream:
+                    self._outbox.append((job, Delta(delta)))
+                if job.request.is_done:
+                    self._complete(job)
+            except Exception as exc:
+                self._fail(job, exc)
 
-    def _on_token(self, request: Request) -> None:
-        """The new last token of ``request``: text, stop strings, delivery."""
-        context: RequestContext = request.data
-        if context.hook is not None:
-            context.hook(request)
-        detok = context.detokenizer
-        token = request.output[-1]
-        ended_on_stop_token = (
-            request.state == RequestState.FINISHED
-            and request.finish_reason == "stop"
-            and token in request.stop_token_ids
-        )
-        delta = "" if ended_on_stop_token else detok.push(token)
-        if detok.stopped and not request.is_done:
-            self._scheduler.finish(request.id, "stop")
-        if request.is_done:
-            delta += detok.finish()
-        if delta and context.stream:
-            self._outbox.append((request, Delta(delta)))
-        if request.is_done:
-            self._complete(request, "stop" if detok.stopped else request.finish_reason or "stop")
-
-    def _complete(self, request: Request, finish_reason: str) -> None:
+    def _complete(self, job: Job) -> None:
+        """Hands the caller its output (the request finished or was aborted)."""
+        request = job.request
         self._live.pop(request.id, None)
-        context: RequestContext = request.data
         now = time.monotonic()
         first = request.first_token_time
         end = request.finish_time if request.finish_time is not None else now
         output = RequestOutput(
-            text=context.detokenizer.text,
+            text=job.detokenizer.text,
             token_ids=list(request.output),
-            finish_reason=finish_reason,
-            prompt_tokens=context.prompt_tokens,
-            cached_tokens=int(request.cached_tokens),
+            finish_reason=request.finish_reason or "abort",
+            prompt_tokens=len(request.prompt),
+            cached_tokens=request.cached_tokens,
             ttft_s=None if first is None else first - request.arrival_time,
             latency_s=end - request.arrival_time,
         )
-        self._outbox.append((request, Done(output)))
+        self._outbox.append((job, Done(output)))
 
-    def _fail(self, request: Request, error: BaseException) -> None:
+    def _fail(self, job: Job, error: BaseException) -> None:
         """Aborts one request in the scheduler and hands its caller the error."""
-        self._live.pop(request.id, None)
-        if not request.is_done:
-            self._scheduler.abort(request.id)
+        self._live.pop(job.request.id, None)
+        if not job.request.is_done:
+            self._scheduler.abort(job.request.id)
         self._failed += 1
-        self._outbox.append((request, Failed(error)))
+        self._outbox.append((job, Failed(error)))
 
     def _publish(self) -> None:
         """Publishes stats, then delivers this iteration's events (so a caller that got its
         output sees stats that include it)."""
-        self._stats = snapshot(self._scheduler, self._cache, self._allocator, self._failed)
+        self._stats = snapshot(self._scheduler, self._failed)
         while self._outbox:
             outbox, self._outbox = self._outbox, []
-            for request, event in outbox:
+            for job, event in outbox:
                 try:
-                    request.data.sink.put(event)
+                    job.handle.put(event)
                 except Exception as exc:  # e.g. the caller's event loop is closed
-                    if request.id in self._live:
-                        self._fail(request, exc)
+                    if job.request.id in self._live:
+                        self._fail(job, exc)
             if self._outbox:
-                self._stats = snapshot(self._scheduler, self._cache, self._allocator, self._failed)
+                self._stats = snapshot(self._scheduler, self._failed)
 
     def _shut_down(self) -> None:
-        for request in list(self._live.values()):
-            self._scheduler.abort(request.id)
-            self._complete(request, "abort")
+        for job in list(self._live.values()):
+            self._scheduler.abort(job.request.id)
+            self._complete(job)
         with self._lock:
             pending = [payload for kind, payload in self._inbox if kind == "add"]
             self._inbox.clear()
-        for request in pending:
-            self._complete(request, "abort")
+        for job in pending:
+            self._complete(job)
         self._publish()
         self._idle.set()
 
@@ -322,9 +311,9 @@ class EngineLoop:
             self._inbox.clear()
         error = EngineDeadError(f"the engine loop died: {exc!r}")
         error.__cause__ = exc
-        for request in [*self._live.values(), *pending]:
+        for job in [*self._live.values(), *pending]:
             try:
-                request.data.sink.put(Failed(error))
+                job.handle.put(Failed(error))
             except Exception:  # a caller whose event loop is gone needs no message
                 pass
         self._live.clear()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend
-from engine.model_config import ModelConfig
-from engine.rows import RowPadding
+from engine.model.attention.base import AttentionBackend
+from engine.model.model_config import ModelConfig
+from engine.model.rows import RowPadding
 
 BACKENDS = ("torch",)
 
@@ -17,13 +17,13 @@ def create_backend(
     """The backend called ``name`` for a model of ``config`` on ``device``; with ``padding``
     (the measured row padding) the batch-invariant variant, without it the fastest one."""
     if name == "torch" and padding is not None:
-        from engine.attention.exact_backend import ExactAttentionBackend
+        from engine.model.attention.exact_backend import ExactAttentionBackend
 
         return ExactAttentionBackend(
             config.num_heads, config.num_kv_heads, config.head_dim, device, padding
         )
     if name == "torch":
-        from engine.attention.torch_backend import TorchAttentionBackend
+        from engine.model.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, device)
     raise ValueError(

@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
 
 
 class AttentionBackend(ABC):

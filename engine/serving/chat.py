@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.outputs import RequestOutput
-from engine.prompts import encode_text, render_messages
-from engine.sampling import SamplingParams
+from engine.serving.outputs import RequestOutput
+from engine.serving.prompts import encode_text, render_messages
+from scheduler import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.serving.engine import Engine
 
 
 def continue_tokens(
@@ -97,23 +97,27 @@ class ChatSession:
 
     def send(self, text: str, params: SamplingParams | None = None) -> str:
         """Sends one user message; returns the assistant's reply text."""
-        messages, prepared = self._prepare_turn(text, params)
-        [output] = self._engine._generate_prepared([prepared], self._namespace)
-        self._record(messages, prepared.token_ids, output)
+        messages, ids = self._prepare_turn(text)
+        handle = self._engine.submit(ids, self._params_for(params), self._namespace)
+        try:
+            output = handle.result()
+        finally:
+            handle.abort()  # interrupted: the turn is dropped (a no-op once it ended)
+        self._record(messages, ids, output)
         return output.text
 
     def stream(
         self, text: str, params: SamplingParams | None = None
     ) -> Iterator[str | RequestOutput]:
         """Like ``Engine.stream``: text deltas, then the RequestOutput; closing early aborts."""
-        messages, prepared = self._prepare_turn(text, params)
-        events = self._engine._stream_prepared(prepared, self._namespace)
+        messages, ids = self._prepare_turn(text)
+        events = self._engine.stream(ids, self._params_for(params), self._namespace)
 
         def turn() -> Iterator[str | RequestOutput]:
             try:
                 for item in events:
                     if isinstance(item, RequestOutput):
-                        self._record(messages, prepared.token_ids, item)
+                        self._record(messages, ids, item)
                     yield item
             finally:
                 events.close()
@@ -129,7 +133,10 @@ class ChatSession:
         twin.last_dropped_tokens = self.last_dropped_tokens
         return twin
 
-    def _prepare_turn(self, text: str, params: SamplingParams | None) -> tuple[list, Any]:
+    def _params_for(self, params: SamplingParams | None) -> SamplingParams | None:
+        return params if params is not None else self._params
+
+    def _prepare_turn(self, text: str) -> tuple[list[dict[str, str]], list[int]]:
         if not isinstance(text, str):
             raise ValueError(f"text: expected str, got {type(text).__name__}")
         if not text:
@@ -139,10 +146,7 @@ class ChatSession:
         full_text = render_messages(tokenizer, messages, "text")
         ids, reused = continue_tokens(tokenizer, self._conversation_ids, full_text)
         self.last_dropped_tokens = len(self._conversation_ids) - reused
-        [prepared] = self._engine._prepare(
-            [ids], params if params is not None else self._params, self._namespace
-        )
-        return messages, prepared
+        return messages, ids
 
     def _record(self, messages: list[dict[str, str]], prompt_ids: list[int],
                 output: RequestOutput) -> None:

@@ -10,7 +10,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.sampling import SamplingParams
+from scheduler import SamplingParams
 
 
 def is_token_id(value: Any) -> bool:
@@ -86,18 +86,13 @@ def check_params(params: Any, num_prompts: int, vocab_size: int) -> list[Samplin
         field = "params" if len(params_list) == 1 or params_list[0] is p else f"params[{i}]"
         if not isinstance(p, SamplingParams):
             raise ValueError(f"{field}: expected SamplingParams, got {type(p).__name__}")
-        try:
-            p.validate()
-        except ValueError as exc:
-            raise ValueError(f"{field}: {exc}") from None
+        # The params validated themselves when made (frozen since); only the model's limits
+        # are new here.
         for token in p.stop_token_ids:
-            if not is_token_id(token) or not 0 <= int(token) < vocab_size:
+            if token >= vocab_size:
                 raise ValueError(
                     f"{field}.stop_token_ids: {token!r} is not a token id in [0, {vocab_size})"
                 )
-        for stop in p.stop:
-            if not isinstance(stop, str) or not stop:
-                raise ValueError(f"{field}.stop: {stop!r} is not a non-empty string")
         checked[id(p)] = p
     return params_list
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
 
 import torch
 
-from engine.attention import create_backend
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from engine.loader import LoadedModel
-from engine.rows import RowPadding
-from engine.sampling import Sampler, SamplingParams
-from engine.threads import ThreadPolicy
+from engine.model.attention import create_backend
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
+from engine.model.loader import LoadedModel
+from engine.model.rows import RowPadding
+from engine.model.sampler import Sampler
+from engine.model.threads import ThreadPolicy
 from scheduler.batch import Batch
 
 
@@ -23,7 +23,11 @@ class ModelRunner:
     without one, torch's setting is left alone. With ``row_padding`` (the padding measured for
     the model's dtype) and ``attention_padding`` (for float32, attention's dtype) every pass is
     batch-invariant: matrix products run with padded row counts and attention is
-    ``engine.attention.exact``.
+    ``engine.model.attention.exact``.
+
+    Batches come from the scheduler, whose requests were validated at the engine's boundary,
+    so nothing is re-checked per step (such checks read tensors back to the host, which
+    synchronises a GPU); ``debug_checks=True`` (or ``RADIXKV_DEBUG_CHECKS=1``) adds them.
     """
 
     def __init__(
@@ -35,6 +39,7 @@ class ModelRunner:
         threads: ThreadPolicy | None = None,
         row_padding: RowPadding | None = None,
         attention_padding: RowPadding | None = None,
+        debug_checks: bool | None = None,
     ) -> None:
         cfg = loaded.config
         if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
@@ -57,19 +62,28 @@ class ModelRunner:
         self.row_padding = row_padding
         self.sampler = Sampler(seed)
         self.threads = threads if loaded.device.type == "cpu" else None
+        if debug_checks is None:
+            debug_checks = os.environ.get("RADIXKV_DEBUG_CHECKS", "0") not in ("", "0")
+        self.debug_checks = debug_checks
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits ``[entries with sample=True, vocab]``; writes every token's K/V."""
-        if batch.page_size != self.pool.page_size:
-            raise ValueError(
-                f"page_size: batch has {batch.page_size}, pool has {self.pool.page_size}"
-            )
         fb = ForwardBatch.from_batch(batch, self.loaded.device)
         if self.loaded.model.row_padding != self.row_padding:  # a model shared by engines
             self.loaded.model.set_row_padding(self.row_padding)
         if self.threads is not None:
             self.threads.apply(fb.num_tokens)
+        if self.debug_checks:
+            self._check(batch, fb)
+        return self.loaded.model(fb, self.pool, self.backend)
+
+    def _check(self, batch: Batch, fb: ForwardBatch) -> None:
+        """What the scheduler and the engine's validation already guarantee (debugging)."""
+        if batch.page_size != self.pool.page_size:
+            raise ValueError(
+                f"page_size: batch has {batch.page_size}, pool has {self.pool.page_size}"
+            )
         vocab = self.loaded.config.vocab_size
         if fb.input_ids.numel() and (
             int(fb.input_ids.min()) < 0 or int(fb.input_ids.max()) >= vocab
@@ -82,24 +96,18 @@ class ModelRunner:
             )
         if fb.kv_indices.numel() and int(fb.kv_indices.max()) >= self.pool.num_pages:
             raise ValueError(f"pages: page id over the pool's {self.pool.num_pages} pages")
-        return self.loaded.model(fb, self.pool, self.backend)
 
     @torch.inference_mode()
-    def step(self, batch: Batch, params: Sequence[SamplingParams]) -> list[int]:
-        """One token per entry (-1 where ``sample`` is False); params align with entries."""
-        if len(params) != len(batch.entries):
-            raise ValueError(
-                f"params: {len(params)} SamplingParams for {len(batch.entries)} batch entries"
-            )
+    def step(self, batch: Batch) -> list[int]:
+        """One token per entry (-1 where ``sample`` is False), by each request's params."""
         logits = self.forward(batch)
         out = [-1] * len(batch.entries)
         rows = [i for i, e in enumerate(batch.entries) if e.sample]
         if not rows:
             return out
+        requests = [batch.entries[i].request for i in rows]
         tokens = self.sampler.sample(
-            logits,
-            [params[i] for i in rows],
-            [len(batch.entries[i].request.output) for i in rows],
+            logits, [r.params for r in requests], [len(r.output) for r in requests]
         )
         for i, t in zip(rows, tokens.tolist()):
             out[i] = t

@@ -4,7 +4,7 @@ Machines differ: a bf16 product runs ~3x faster than fp32 on an AMD EPYC with AV
 ~70x slower on one without it (a plain loop), and kills the process with SIGILL on an Intel
 Xeon whose advertised AMX faults. So the engine measures instead of guessing: a child process
 per dtype times a few decoder layers' products at a decode and a prefill shape and measures the
-row padding that makes them batch-invariant (``engine.rows``). A crash, a timeout or a dtype
+row padding that makes them batch-invariant (``engine.model.rows``). A crash, a timeout or a dtype
 whose products cannot be made invariant rules that dtype out. The result is remembered per CPU
 model and torch version in the user's cache directory.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.rows import RowPadding
+from engine.model.rows import RowPadding
 
 DTYPES = ("float32", "bfloat16")
 # bf16 is chosen only when it is at least this much faster (geometric mean of both shapes).
@@ -35,7 +35,7 @@ PROBE_LAYERS = 8  # ~100 MB of fp32 weights: more than a last-level cache, as in
 DECODE_ROWS, PREFILL_ROWS = 8, 256
 
 _CHILD = (
-    "import json, engine.probe as p; "
+    "import json, engine.model.probe as p; "
     "print(json.dumps(p.measure_in_process({dtype!r}, {limit_s!r})))"
 )
 
@@ -80,7 +80,7 @@ class ProbeResult:
 def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, object]:
     """Time and check ``dtype``'s products here (run in a child: it may crash). A decode pass
     slower than ``limit_s`` ends the probe early (``too_slow``: no need to measure more)."""
-    from engine import rows
+    from engine.model import rows
 
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
@@ -184,7 +184,7 @@ def probe(
 ) -> ProbeResult:
     """The remembered probe for this machine, or a new one (seconds) that is then saved."""
     if cache_dir is None:
-        from engine.loader import cache_root
+        from engine.model.loader import cache_root
 
         cache_dir = cache_root() / "probe"
     path = cache_dir / f"{machine_key()}.json"

@@ -8,31 +8,29 @@ import os
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention import BACKENDS
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineDeadError
-from engine.events import AsyncSink, Delta, Done, Event, Failed, Sink, ThreadSink
-from engine.kv_pool import KVPool
-from engine.loader import LoadedModel, load_model
-from engine.loop import EngineLoop, RequestContext, RequestHook
-from engine.outputs import RequestOutput
-from engine.prompts import encode_prompt, encode_text, split_prompts
-from engine.rows import RowPadding
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.stats import EngineStats
-from engine.threads import ThreadPolicy
-from engine.validation import check_fits, check_namespace, check_params, check_token_ids
-from radix import PageAllocator, RadixCache
-from scheduler import Request, Scheduler, SchedulerConfig
+from engine.model.attention import BACKENDS
+from engine.model.kv_pool import KVPool
+from engine.model.loader import LoadedModel, load_model
+from engine.model.rows import RowPadding
+from engine.model.runner import ModelRunner
+from engine.model.threads import ThreadPolicy
+from engine.serving.detokenizer import IncrementalDetokenizer
+from engine.serving.errors import EngineDeadError
+from engine.serving.handle import RequestHandle, outputs_or_raise
+from engine.serving.loop import EngineLoop, Job
+from engine.serving.outputs import RequestOutput
+from engine.serving.prompts import encode_prompt, encode_text, split_prompts
+from engine.serving.stats import EngineStats
+from engine.serving.validation import check_fits, check_namespace, check_params, check_token_ids
+from radix import KVManager
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    from engine.chat import ChatSession
+    from engine.serving.chat import ChatSession
 
 # Default KV budget on the CPU: 1 GiB (about 23k tokens of SmolLM2-135M in float32), or an
 # eighth of the machine's memory when that is smaller. On CUDA: a share of the free memory
@@ -41,14 +39,6 @@ CPU_KV_BYTES = 1 << 30
 CUDA_KV_FRACTION = 0.7
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """A validated prompt, ready to become a Request."""
-
-    token_ids: list[int]
-    params: SamplingParams
 
 
 class Engine:
@@ -60,7 +50,7 @@ class Engine:
     prompt was served from the cache.
 
     ``model``: None (the bundled SmolLM2-135M-Instruct), a HF Llama-family checkpoint directory
-    or a .gguf file; or (advanced) an already loaded ``engine.loader.LoadedModel``, which is
+    or a .gguf file; or (advanced) an already loaded ``engine.model.loader.LoadedModel``, which is
     then shared, not copied (``device``/``dtype`` are the loaded model's). The KV cache holds
     ``num_pages`` pages of ``page_size`` tokens, or as many as fit in ``kv_cache_bytes``.
     ``prefix_cache=False`` reuses nothing across requests (the baseline for benchmarks).
@@ -71,7 +61,7 @@ class Engine:
     the batch it ran in, the cache (hit, miss, partial), prefill chunking, preemption, cascade
     decode and the page size, in float32 and bfloat16 alike; ``False`` runs the older kernels,
     which are exact only up to float rounding. ``dtype=None`` picks the faster of float32 and
-    bfloat16 as measured on this CPU (``engine.probe``, cached).
+    bfloat16 as measured on this CPU (``engine.model.probe``, cached).
     Further keyword arguments are other ``scheduler.SchedulerConfig`` fields (advanced tuning:
     ``group_min_tokens``, ``reserve_ratio_init``, ...).
     """
@@ -107,10 +97,12 @@ class Engine:
         self._device = loaded.device
         self._dtype = loaded.dtype
         self._prefix_cache = prefix_cache
-        pages = _pool_pages(loaded, page_size, num_pages, kv_cache_bytes)
+        kv = KVManager(
+            _pool_pages(loaded, page_size, num_pages, kv_cache_bytes), page_size, prefix_cache
+        )
         cfg = loaded.config
         pool = KVPool(
-            cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, kv.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
             loaded.dtype, loaded.device,
         )
         row_padding, attention_padding = _row_paddings(loaded, batch_invariant)
@@ -124,13 +116,11 @@ class Engine:
         )
         self._batch_invariant = runner.row_padding is not None
         self._attention_kernel = runner.backend.kernel_name
-        cache = RadixCache(page_size)
-        allocator = PageAllocator(pages)
-        scheduler = Scheduler(cache, allocator, sched_config)
         self._page_size = page_size
-        self._num_pages = pages
+        self._num_pages = kv.num_pages
+        self._eos_token_ids = frozenset(cfg.eos_token_ids)
         self._request_ids = itertools.count()
-        self._loop = EngineLoop(scheduler, runner, cache, allocator)
+        self._loop = EngineLoop(Scheduler(kv, sched_config), runner)
         # Closes the loop (and frees the pool) if the engine is dropped without close().
         self._finalizer = weakref.finalize(self, self._loop.close)
 
@@ -183,18 +173,46 @@ class Engine:
 
     # ------------------------------------------------------------------------------ generation
 
+    def submit(
+        self,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        namespace: str | None = None,
+        stream: bool = False,
+    ) -> RequestHandle:
+        """Queues one request and returns its handle at once: every other way in builds on it.
+
+        ``prompt``: a str, a list of token ids, or a conversation ``[{"role", "content"}, ...]``
+        (rendered with the chat template). Everything is validated here, in the caller's
+        thread: a bad request raises ValueError and nothing is queued. With ``stream=True``
+        iterating the handle yields text deltas before the RequestOutput. ``handle.result()``
+        (or ``await handle.aresult()``) waits for the output; ``handle.abort()`` stops it.
+        """
+        [(ids, p)] = self._prepare(prompt, params, namespace, single=True)
+        return self._submit_ids(ids, p, namespace, stream)
+
     def generate(
         self, prompts: Any, params: ParamsArg = None, namespace: str | None = None
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; returns their outputs in input order (always a list).
 
-        ``prompts``: a str, a list of token ids, a conversation ``[{"role", "content"}, ...]``
-        (rendered with the chat template), or a list mixing those. ``params``: one
+        ``prompts``: one prompt (as for ``submit``) or a list of them. ``params``: one
         SamplingParams for all, or one per prompt. If a request fails, the others still run
         to completion and then the first error is raised.
         """
-        prepared = self._prepare(prompts, params, namespace)
-        return self._generate_prepared(prepared, namespace)
+        handles: list[RequestHandle] = []
+        finished = 0
+        try:
+            for ids, p in self._prepare(prompts, params, namespace):
+                handles.append(self._submit_ids(ids, p, namespace))
+            events = []
+            for handle in handles:
+                events.append(handle.final_event())
+                finished += 1
+        finally:
+            for handle in handles[finished:]:  # interrupted (KeyboardInterrupt) or submit failed
+                handle.abort()
+        return outputs_or_raise(events)
 
     def stream(
         self, prompt: Any, params: SamplingParams | None = None, namespace: str | None = None
@@ -205,8 +223,12 @@ class Engine:
         ``next()``; closing the generator before the end (``break`` in a for loop, ``close()``)
         aborts it and frees its pages.
         """
-        [prepared] = self._prepare(prompt, params, namespace, single=True)
-        return self._stream_prepared(prepared, namespace)
+        [(ids, p)] = self._prepare(prompt, params, namespace, single=True)
+
+        def events() -> Iterator[str | RequestOutput]:
+            yield from self._submit_ids(ids, p, namespace, stream=True)
+
+        return events()
 
     async def agenerate(
         self, prompts: Any, params: ParamsArg = None, namespace: str | None = None
@@ -214,37 +236,26 @@ class Engine:
         """``generate`` for asyncio: awaits without blocking the event loop. Cancelling the
         awaiting task aborts the requests."""
         prepared = self._prepare(prompts, params, namespace)
-        sink = _MultiAsyncWait(asyncio.get_running_loop())
-        requests = [self._submit(item, namespace, sink.sink(i)) for i, item in enumerate(prepared)]
-        events: list[Event] = []
+        handles = [self._submit_ids(ids, p, namespace) for ids, p in prepared]
         try:
-            events = await sink.wait_all(len(requests))
+            events = await asyncio.gather(*(h.afinal_event() for h in handles))
         finally:
-            if len(events) < len(requests):  # cancelled: abort what has not finished
-                self._abort_unfinished(requests, {requests[i].id for i in sink.finished})
-        return _outputs_or_raise(events)
+            for handle in handles:  # cancelled: abort what has not finished
+                handle.abort()
+        return outputs_or_raise(list(events))
 
     async def astream(
         self, prompt: Any, params: SamplingParams | None = None, namespace: str | None = None
     ) -> AsyncIterator[str | RequestOutput]:
         """``stream`` for asyncio: ``async for`` yields text deltas, then the RequestOutput.
         Cancelling the consuming task or ``aclose()`` aborts the request."""
-        [prepared] = self._prepare(prompt, params, namespace, single=True)
-        sink = AsyncSink(asyncio.get_running_loop())
-        request = self._submit(prepared, namespace, sink, stream=True)
-        finished = False
+        [(ids, p)] = self._prepare(prompt, params, namespace, single=True)
+        events = self._submit_ids(ids, p, namespace, stream=True).__aiter__()
         try:
-            while True:
-                event = await sink.get()
-                if isinstance(event, Delta):
-                    yield event.text
-                    continue
-                finished = True
-                yield _output_or_raise(event)
-                return
+            async for item in events:
+                yield item
         finally:
-            if not finished:
-                self._loop.abort(request.id)
+            await events.aclose()  # aborts the request unless it ended
 
     def fork(
         self,
@@ -282,8 +293,7 @@ class Engine:
                     f"suffixes[{i}]: expected str or token ids, got {type(suffix).__name__}"
                 )
             prompts.append(prefix_ids + ids)
-        prepared = self._prepare(prompts, params, namespace)
-        return self._generate_prepared(prepared, namespace)
+        return self.generate(prompts, params, namespace)
 
     def chat(
         self,
@@ -292,7 +302,7 @@ class Engine:
         namespace: str | None = None,
     ) -> ChatSession:
         """A multi-turn chat session; each turn reuses the KV of the conversation so far."""
-        from engine.chat import ChatSession
+        from engine.serving.chat import ChatSession
 
         return ChatSession(self, system=system, params=params, namespace=namespace)
 
@@ -328,8 +338,8 @@ class Engine:
 
     def _prepare(
         self, prompts: Any, params: Any, namespace: Any, single: bool = False
-    ) -> list[_Prepared]:
-        """Tokenises and validates everything before anything is queued."""
+    ) -> list[tuple[list[int], SamplingParams]]:
+        """Tokenises and validates everything before anything is queued: the one boundary."""
         if self.closed:
             raise EngineDeadError("the engine is closed")
         check_namespace(namespace)
@@ -344,143 +354,24 @@ class Engine:
             field = "prompt" if len(items) == 1 else f"prompts[{i}]"
             ids = encode_prompt(self._tokenizer, item, vocab, field)
             check_fits(len(ids), p.max_new_tokens, self.max_context, pool_tokens, field)
-            prepared.append(_Prepared(ids, p))
+            prepared.append((ids, p))
         return prepared
 
-    def _submit(
+    def _submit_ids(
         self,
-        prepared: _Prepared,
+        token_ids: list[int],
+        params: SamplingParams,
         namespace: str | None,
-        sink: Sink,
         stream: bool = False,
-        hook: RequestHook | None = None,
-    ) -> Request:
-        request_id = next(self._request_ids)
-        params = prepared.params
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self._config.eos_token_ids)
-        context = RequestContext(
-            params=params,
-            detokenizer=IncrementalDetokenizer(
-                self._tokenizer, stop=params.stop, prompt_ids=prepared.token_ids
-            ),
-            sink=sink,
-            prompt_tokens=len(prepared.token_ids),
-            stream=stream,
-            hook=hook,
-        )
+    ) -> RequestHandle:
+        """Queues validated token ids (from ``_prepare``)."""
         request = Request(
-            id=request_id,
-            prompt=list(prepared.token_ids),
-            max_new_tokens=params.max_new_tokens,
-            namespace=namespace,
-            stop_token_ids=frozenset(stop_ids),
-            data=context,
+            next(self._request_ids), token_ids, params, namespace, self._eos_token_ids
         )
-        self._loop.submit(request)
-        return request
-
-    def _generate_prepared(
-        self, prepared: list[_Prepared], namespace: str | None, hook: RequestHook | None = None
-    ) -> list[RequestOutput]:
-        sinks = [ThreadSink() for _ in prepared]
-        requests: list[Request] = []
-        events: list[Event] = []
-        try:
-            for item, sink in zip(prepared, sinks):
-                requests.append(self._submit(item, namespace, sink, hook=hook))
-            for sink in sinks:
-                events.append(_final_event(sink))
-        finally:
-            if len(events) < len(requests):  # interrupted (KeyboardInterrupt) or submit failed
-                self._abort_unfinished(requests[len(events) :], set())
-        return _outputs_or_raise(events)
-
-    def _stream_prepared(
-        self, prepared: _Prepared, namespace: str | None, hook: RequestHook | None = None
-    ) -> Iterator[str | RequestOutput]:
-        sink = ThreadSink()
-        request = self._submit(prepared, namespace, sink, stream=True, hook=hook)
-        finished = False
-        try:
-            while True:
-                event = sink.get()
-                if isinstance(event, Delta):
-                    yield event.text
-                    continue
-                finished = True
-                yield _output_or_raise(event)
-                return
-        finally:
-            if not finished:
-                self._loop.abort(request.id)
-
-    def _abort_unfinished(self, requests: Sequence[Request], finished: set[int]) -> None:
-        for request in requests:
-            if request.id not in finished:
-                self._loop.abort(request.id)
-
-
-class _MultiAsyncWait:
-    """Final events of many requests, delivered into one asyncio queue as (index, event)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        self.finished: set[int] = set()  # indices whose final event arrived
-
-    def sink(self, index: int) -> Sink:
-        return _IndexedAsyncSink(self._loop, self._queue, index)
-
-    async def wait_all(self, count: int) -> list[Event]:
-        events: list[Event | None] = [None] * count
-        received = 0
-        while received < count:
-            index, event = await self._queue.get()
-            if isinstance(event, Delta):
-                continue
-            events[index] = event
-            self.finished.add(index)
-            received += 1
-        return [e for e in events if e is not None]
-
-
-class _IndexedAsyncSink:
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, Event]], index: int
-    ) -> None:
-        self._loop = loop
-        self._queue = queue
-        self._index = index
-
-    def put(self, event: Event) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (self._index, event))
-
-
-def _final_event(sink: ThreadSink) -> Event:
-    while True:
-        event = sink.get()
-        if not isinstance(event, Delta):
-            return event
-
-
-def _output_or_raise(event: Event) -> RequestOutput:
-    if isinstance(event, Done):
-        return event.output
-    assert isinstance(event, Failed)
-    error = event.error
-    if isinstance(error, EngineDeadError):
-        # One instance reaches many waiters: raise a fresh one each, same message and cause.
-        raise EngineDeadError(str(error)) from error.__cause__
-    raise error
-
-
-def _outputs_or_raise(events: Sequence[Event]) -> list[RequestOutput]:
-    for event in events:
-        if isinstance(event, Failed):
-            _output_or_raise(event)
-    return [_output_or_raise(e) for e in events]
+        handle = RequestHandle(request.id, self._loop.abort)
+        detokenizer = IncrementalDetokenizer(self._tokenizer, stop=params.stop, prompt_ids=token_ids)
+        self._loop.submit(Job(request, detokenizer, handle, stream))
+        return handle
 
 
 def _check_engine_args(
@@ -564,7 +455,7 @@ def _row_paddings(
     dtype the probe could not make exact)."""
     if not batch_invariant or loaded.device.type != "cpu":
         return None, None
-    from engine.probe import probe
+    from engine.model.probe import probe
 
     name = str(loaded.dtype).removeprefix("torch.")
     result = probe()

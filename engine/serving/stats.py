@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from scheduler import Scheduler
+
 # Monotone counters copied from the scheduler (never reset, never overwritten per batch).
 COUNTER_NAMES = (
     "requests",
@@ -51,22 +53,20 @@ class EngineStats(msgspec.Struct, frozen=True):
         return msgspec.structs.asdict(self)
 
 
-def snapshot(scheduler: Any, cache: Any, allocator: Any, failed: int) -> EngineStats:
-    """Reads the scheduler's counters and the page accounting (call on the loop thread)."""
+def snapshot(scheduler: Scheduler, failed: int) -> EngineStats:
+    """Reads the scheduler's counters and the KV manager's pages (call on the loop thread)."""
     counters = scheduler.counters
     values = {name: int(getattr(counters, name)) for name in COUNTER_NAMES}
-    total = int(allocator.num_pages)
-    free = int(allocator.num_free)
-    cached = int(cache.cached_pages)
+    pages = scheduler.kv.stats()
     prompt = values["prompt_tokens"]
     return EngineStats(
         **values,
         failed=failed,
         hit_rate=values["cached_tokens"] / prompt if prompt else 0.0,
-        pages_total=total,
-        pages_free=free,
-        pages_cached=cached,
-        pages_in_use=total - free - cached,
-        requests_running=int(scheduler.num_running),
-        requests_waiting=int(scheduler.num_waiting),
+        pages_total=pages.total,
+        pages_free=pages.free,
+        pages_cached=pages.cached,
+        pages_in_use=pages.private,
+        requests_running=scheduler.num_running,
+        requests_waiting=scheduler.num_waiting,
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.paged_decode import (
+from engine.model.attention.paged_decode import (
     DecodePieces,
     piece_scores,
     piece_tensors,

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from engine.model_config import ModelConfig
-from engine.rows import RowPadding
+from engine.model.attention.base import AttentionBackend
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
+from engine.model.model_config import ModelConfig
+from engine.model.rows import RowPadding
 
 
 class RMSNorm(nn.Module):

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.cascade import shared_runs
-from engine.rows import RowPadding
+from engine.model.attention.cascade import shared_runs
+from engine.model.rows import RowPadding
 
 BLOCK = 64  # tokens per key block: the fixed unit of every reduction over keys
 # Prefill queries are attended in tiles of this many tokens (bounds the score matrix).

@@ -1,6 +1,6 @@
 """The batch-invariant attention kernel in C++ (``csrc/exact_attention.cpp``), built per machine.
 
-The torch version (``engine.attention.exact``) gets its invariance from measured row padding
+The torch version (``engine.model.attention.exact``) gets its invariance from measured row padding
 and fixed 64-key blocks of BLAS products, at the price of many small ops per layer. The native
 kernel gets it by construction: each query row is computed by one fixed sequence of
 instructions over its own keys, whatever shares the call (see the source's header). It is
@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 import xxhash
 
-from engine.probe import machine_key
+from engine.model.probe import machine_key
 
 SOURCE = Path(__file__).parent / "csrc" / "exact_attention.cpp"
 # -fopenmp: at::parallel_for is a header template; without it the pragma is dropped and the
@@ -48,7 +48,7 @@ def fingerprint() -> str:
 
 
 def cache_dir() -> Path:
-    from engine.loader import cache_root  # the loader imports the model, which imports us
+    from engine.model.loader import cache_root  # the loader imports the model, which imports us
 
     return cache_root() / "kernels"
 

@@ -1,0 +1,7 @@
+"""The model side of the engine: tensors in, tokens out.
+
+Loading a checkpoint (``loader``, ``model_config``), the Llama-family forward over paged KV
+(``llama``, ``forward_batch``, ``kv_pool``, ``attention``), sampling (``sampler``), one pass
+per scheduler batch (``runner``), and what is measured per machine to run it fast and exact
+(``probe``, ``rows``, ``threads``). It knows nothing of requests' lifetimes, text or callers.
+"""

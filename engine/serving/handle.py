@@ -1,0 +1,191 @@
+"""RequestHandle: what ``Engine.submit`` returns, and the one way every caller waits.
+
+The engine loop thread puts a request's events here (text deltas of a stream, then one final
+``Done`` or ``Failed``); the caller takes them from any thread (``result``, iteration) or
+coroutine (``aresult``, ``async for``). ``generate``, ``stream``, their async forms, chat
+sessions and ``fork`` are all built on it, so aborts and errors are handled in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+from engine.serving.errors import EngineDeadError
+from engine.serving.outputs import RequestOutput
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of a streaming request."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request finished (stop, length or abort); the last event of a request."""
+
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed with ``error``; the last event of a request."""
+
+    error: BaseException
+
+
+Event = Delta | Done | Failed
+
+
+class RequestHandle:
+    """One submitted request: its events, its result and its abort. One consumer at a time.
+
+    Made in a thread that runs an asyncio event loop, the handle also wakes that loop on every
+    event; once that loop is closed, delivery fails and the engine aborts the request (nobody
+    is left to hear of it).
+    """
+
+    def __init__(self, request_id: int, abort: Callable[[int], None]) -> None:
+        self.id = request_id
+        self._abort = abort
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._events: deque[Event] = deque()
+        self._finished = False  # the final event has been put
+        self._consumed = False  # the final event has been taken
+        try:
+            self._event_loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._event_loop = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------------ the caller's side
+
+    @property
+    def finished(self) -> bool:
+        """True once the request finished, failed or was aborted."""
+        return self._finished
+
+    def abort(self) -> None:
+        """Stop the request wherever it is and free its pages (safe from any thread); its
+        result then has finish_reason "abort". A no-op once it finished."""
+        if not self._finished:
+            self._abort(self.id)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the request ends; its output, or its error raised here."""
+        return _output_or_raise(self.final_event(timeout))
+
+    async def aresult(self) -> RequestOutput:
+        """``result`` for asyncio."""
+        return _output_or_raise(await self.afinal_event())
+
+    def __iter__(self) -> Iterator[str | RequestOutput]:
+        """Text deltas (submitted with ``stream=True``), then the RequestOutput. Leaving the
+        loop early (``break``, an exception, ``close()``) aborts the request."""
+        try:
+            while True:
+                event = self._get(None)
+                if isinstance(event, Delta):
+                    yield event.text
+                    continue
+                yield _output_or_raise(event)
+                return
+        finally:
+            if not self._consumed:
+                self.abort()
+
+    async def __aiter__(self) -> AsyncIterator[str | RequestOutput]:
+        """``__iter__`` for asyncio; cancelling the consuming task aborts the request."""
+        try:
+            while True:
+                event = await self._aget()
+                if isinstance(event, Delta):
+                    yield event.text
+                    continue
+                yield _output_or_raise(event)
+                return
+        finally:
+            if not self._consumed:
+                self.abort()
+
+    def final_event(self, timeout: float | None = None) -> Event:
+        """The final event (Done or Failed), skipping deltas; raises TimeoutError."""
+        while True:
+            event = self._get(timeout)
+            if not isinstance(event, Delta):
+                return event
+
+    async def afinal_event(self) -> Event:
+        while True:
+            event = await self._aget()
+            if not isinstance(event, Delta):
+                return event
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def put(self, event: Event) -> None:
+        """Deliver an event (the engine loop thread; never blocks). Raises RuntimeError when
+        the caller's event loop is closed."""
+        with self._lock:
+            self._events.append(event)
+            if not isinstance(event, Delta):
+                self._finished = True
+            self._ready.notify_all()
+            waiter, self._waiter = self._waiter, None
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(_wake, waiter)
+
+    # ------------------------------------------------------------------ internals
+
+    def _take(self) -> Event:
+        event = self._events.popleft()
+        if not isinstance(event, Delta):
+            self._consumed = True
+        return event
+
+    def _get(self, timeout: float | None) -> Event:
+        with self._lock:
+            if not self._ready.wait_for(lambda: self._events, timeout):
+                raise TimeoutError(f"request {self.id}: no result within {timeout} s")
+            return self._take()
+
+    async def _aget(self) -> Event:
+        loop = asyncio.get_running_loop()
+        if self._event_loop is None:
+            self._event_loop = loop
+        while True:
+            with self._lock:
+                if self._events:
+                    return self._take()
+                waiter = self._waiter = loop.create_future()
+            await waiter
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+def _output_or_raise(event: Event) -> RequestOutput:
+    if isinstance(event, Done):
+        return event.output
+    assert isinstance(event, Failed), f"not a final event: {event!r}"
+    error = event.error
+    if isinstance(error, EngineDeadError):
+        # One instance reaches many waiters: raise a fresh one each, same message and cause.
+        raise EngineDeadError(str(error)) from error.__cause__
+    raise error
+
+
+def outputs_or_raise(events: list[Event]) -> list[RequestOutput]:
+    """Every output, or the first failure raised (after all requests ended)."""
+    for event in events:
+        if isinstance(event, Failed):
+            _output_or_raise(event)
+    return [_output_or_raise(e) for e in events]

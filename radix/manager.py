@@ -1,0 +1,270 @@
+"""KVManager: the one owner of KV pages (the prefix tree and the free list) and their handles.
+
+The scheduler decides which requests run; the manager decides where their KV lives. Each
+running request holds one ``CacheHandle``: its page table, of which the first ``cached_len``
+tokens' pages belong to the tree (kept from eviction by the handle's lock on ``node``) and the
+rest are private to the request. Every page is, at every moment, in exactly one place: the
+free list, the tree, or one handle's private tail (``check``).
+
+Whoever needs to follow the tree without walking it (the scheduler's index of waiting
+matches today; KV tiers and a router's KV events later) subscribes to the manager's
+``PagesStored`` and ``PagesEvicted`` events: every insert and eviction goes through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from radix.allocator import PageAllocator
+from radix.cache import RadixCache
+from radix.node import Node, PrefixMatch
+
+
+@dataclass(eq=False, slots=True)
+class CacheHandle:
+    """A running request's KV: ``pages[i]`` holds tokens ``[i*p, (i+1)*p)``.
+
+    The pages of the first ``cached_len`` tokens are the tree's: the path to ``node``, which
+    this handle keeps locked. The pages after them are private to the request. Only the
+    manager changes a handle.
+    """
+
+    namespace: str | None
+    node: Node
+    pages: list[int]
+    cached_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class PagesStored:
+    """The tree gained ``pages`` holding ``tokens`` (whole pages), right after
+    ``parent_page`` (None: at the root of ``namespace``)."""
+
+    namespace: str | None
+    parent_page: int | None
+    tokens: Sequence[int]
+    pages: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PagesEvicted:
+    """The tree dropped ``pages`` (now free)."""
+
+    pages: Sequence[int]
+
+
+KVEvent = PagesStored | PagesEvicted
+
+
+@dataclass(frozen=True, slots=True)
+class PageStats:
+    """Where the pages are now: ``free + cached + private == total`` always; at idle
+    ``private == 0``. ``evicted`` only grows."""
+
+    total: int
+    free: int
+    cached: int
+    evictable: int
+    private: int
+    evicted: int
+
+
+class KVManager:
+    """Owns the ``RadixCache`` and the ``PageAllocator`` of one KV pool of ``num_pages``.
+
+    ``prefix_cache=False`` keeps the tree empty: nothing computed is ever shared, and every
+    page a request had goes back to the free list when it ends (the benchmarks' baseline).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True) -> None:
+        self._tree = RadixCache(page_size)
+        self._allocator = PageAllocator(num_pages)
+        self._page_size = page_size
+        self._prefix_cache = prefix_cache
+        self._listeners: list[Callable[[KVEvent], None]] = []
+        self._evicted = 0
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._allocator.num_pages
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self._prefix_cache
+
+    @property
+    def available(self) -> int:
+        """Pages that can be had now: free, or cached and evictable."""
+        return self._allocator.num_free + self._tree.evictable_pages
+
+    @property
+    def tree(self) -> RadixCache:
+        """The prefix tree, for reading (benchmarks, tests); change it only through here."""
+        return self._tree
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The free list, for reading; change it only through here."""
+        return self._allocator
+
+    def stats(self) -> PageStats:
+        free = self._allocator.num_free
+        cached = self._tree.cached_pages
+        total = self._allocator.num_pages
+        return PageStats(
+            total=total,
+            free=free,
+            cached=cached,
+            evictable=self._tree.evictable_pages,
+            private=total - free - cached,
+            evicted=self._evicted,
+        )
+
+    def subscribe(self, listener: Callable[[KVEvent], None]) -> None:
+        """Call ``listener`` with every PagesStored and PagesEvicted from now on."""
+        self._listeners.append(listener)
+
+    # ------------------------------------------------------------------ requests' KV
+
+    def match(self, tokens: Sequence[int], namespace: str | None = None) -> PrefixMatch:
+        """The longest cached page-aligned prefix of ``tokens`` (nothing is locked)."""
+        return self._tree.match_prefix(tokens, namespace)
+
+    def acquire(self, tokens: Sequence[int], namespace: str | None = None) -> CacheHandle:
+        """A handle on the cached prefix of ``tokens``, locked so it stays until ``release``."""
+        found = self._tree.match_prefix(tokens, namespace)
+        self._tree.lock(found.node)
+        return CacheHandle(namespace, found.node, list(found.pages), found.length)
+
+    def allocate(self, handle: CacheHandle, num_tokens: int) -> bool:
+        """Grow ``handle``'s page table to hold ``num_tokens`` tokens, evicting LRU pages if
+        the free list is short. False (and nothing taken) when not enough can be had."""
+        need = -(-num_tokens // self._page_size) - len(handle.pages)
+        if need <= 0:
+            return True
+        allocator = self._allocator
+        short = need - allocator.num_free
+        if short > 0:
+            if short > self._tree.evictable_pages:
+                return False
+            freed = self._tree.evict(short)
+            allocator.free(freed)
+            self._evicted += len(freed)
+            self._announce(PagesEvicted(freed))
+        pages = allocator.alloc(need)
+        assert pages is not None, "eviction freed fewer pages than it promised"
+        handle.pages.extend(pages)
+        return True
+
+    def cache(self, handle: CacheHandle, tokens: Sequence[int]) -> CacheHandle:
+        """Hand the whole pages of ``tokens`` (computed, in ``handle.pages``) to the tree.
+
+        The handle's pages for tokens the tree already had are duplicates: they are freed and
+        replaced by the tree's. The handle's lock moves down to the end of ``tokens``.
+        Returns the handle (updated in place; no second walk of the tree).
+        """
+        p = self._page_size
+        aligned = len(tokens) - len(tokens) % p
+        if not self._prefix_cache or aligned <= handle.cached_len:
+            return handle
+        tree = self._tree
+        namespace = handle.namespace
+        num_pages = aligned // p
+        inserted = tree.insert_prefix(tokens[:aligned], handle.pages[:num_pages], namespace)
+        found = inserted.match
+        tree.lock(found.node)
+        tree.unlock(handle.node)
+        duplicates = handle.pages[handle.cached_len // p : inserted.cached // p]
+        if duplicates:
+            self._allocator.free(duplicates)
+        handle.pages[:num_pages] = found.pages
+        handle.node = found.node
+        handle.cached_len = aligned
+        if inserted.cached < aligned and self._listeners:
+            first = inserted.cached // p
+            self._announce(
+                PagesStored(
+                    namespace,
+                    found.pages[first - 1] if first else None,
+                    tokens[inserted.cached : aligned],
+                    found.pages[first:],
+                )
+            )
+        return handle
+
+    def release(self, handle: CacheHandle, tokens: Sequence[int] | None = None) -> None:
+        """End ``handle``: cache the whole pages of ``tokens`` first (when given), free the
+        private pages, drop the lock. The handle must not be used afterwards."""
+        if tokens is not None:
+            self.cache(handle, tokens)
+        private = handle.pages[handle.cached_len // self._page_size :]
+        if private:
+            self._allocator.free(private)
+        self._tree.unlock(handle.node)
+        handle.pages = []
+        handle.cached_len = 0
+
+    # ------------------------------------------------------------------ integrity
+
+    def check(self, handles: Iterable[CacheHandle]) -> None:
+        """Raise AssertionError unless every page is in exactly one place: free, the tree, or
+        one of ``handles``' private tails (all live handles must be given), and each handle's
+        tree part is exactly the path to its locked node."""
+        tree, allocator, p = self._tree, self._allocator, self._page_size
+        tree.check_invariants()
+        tree_pages = _tree_pages(tree)
+        for page in tree_pages:
+            assert not allocator.is_free(page), f"page {page} is both free and in the tree"
+        private: set[int] = set()
+        live = 0
+        for handle in handles:
+            live += 1
+            assert handle.cached_len % p == 0, "handle: cached_len is not page-aligned"
+            assert handle.node.own_locks > 0, "handle: holds no lock on its node"
+            assert _path_pages(handle.node) == handle.pages[: handle.cached_len // p], (
+                "handle: its page table's tree part differs from its node's path"
+            )
+            for page in handle.pages[handle.cached_len // p :]:
+                assert page not in private, f"page {page} is private to two handles"
+                assert page not in tree_pages, f"page {page} is private and in the tree"
+                assert not allocator.is_free(page), f"page {page} is private and free"
+                private.add(page)
+        total = allocator.num_free + len(tree_pages) + len(private)
+        assert total == allocator.num_pages, (
+            f"free {allocator.num_free} + tree {len(tree_pages)} + private {len(private)} "
+            f"!= {allocator.num_pages} pages"
+        )
+        if not live:
+            assert tree.protected_pages == 0, "idle with locked pages"
+
+    def _announce(self, event: KVEvent) -> None:
+        for listener in self._listeners:
+            listener(event)
+
+
+def _tree_pages(tree: RadixCache) -> set[int]:
+    pages: set[int] = set()
+    for namespace in tree.namespaces:
+        stack = [tree.root(namespace)]
+        while stack:
+            node = stack.pop()
+            for page in node.pages:
+                assert page not in pages, f"page {page} appears twice in the tree"
+                pages.add(page)
+            stack.extend(node.children.values())
+    return pages
+
+
+def _path_pages(node: Node | None) -> list[int]:
+    chunks = []
+    while node is not None:
+        chunks.append(node.pages)
+        node = node.parent
+    return [page for chunk in reversed(chunks) for page in chunk]

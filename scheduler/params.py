@@ -1,0 +1,70 @@
+"""What a request asks for: how many tokens, how to pick them, when to stop.
+
+A frozen record validated once, when it is made: the engine's callers build it, the scheduler
+reads its limits, the sampler its knobs, all from the same object (vLLM's SamplingParams,
+whose habits it follows). Pure Python, so the scheduler stays free of torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+_SEED_LIMIT = 1 << 63
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How to pick tokens for one request. ``temperature=0`` is greedy; ``top_k=0`` is off."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and its limit."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}"
+            )
+        if not _is_real(self.temperature) or not self.temperature >= 0:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT):
+            raise ValueError(f"seed: must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids: must be a list of integers >= 0, got {self.stop_token_ids!r}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))

@@ -315,17 +315,32 @@ class RadixCache:
         node.own_locks -= 1
         lru = self._lru
         moved = 0
-        current: Node | None = node
-        while current is not None:
+        current = node
+        while True:
             current.lock_ref -= 1
             if current.lock_ref == 0:
                 moved += len(current.pages)
                 if not current.children and current.parent is not None:
                     lru[current.last_access] = current
                     current.in_lru = True
+            if current.parent is None:
+                break
             current = current.parent
         self._evictable += moved
         self._protected -= moved
+        self._forget_if_empty(current)
+
+    def _forget_if_empty(self, node: Node) -> None:
+        """Drop a tenant's root once nothing is under it and nothing holds it, so one-shot
+        namespaces do not accumulate (the default namespace's root stays)."""
+        if (
+            node.parent is None
+            and node.namespace is not None
+            and not node.children
+            and node.lock_ref == 0
+            and self._roots.get(node.namespace) is node
+        ):
+            del self._roots[node.namespace]
 
     def _check_live(self, node: Node) -> None:
         if not isinstance(node, Node):
@@ -369,6 +384,7 @@ class RadixCache:
                 if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
                     lru[parent.last_access] = parent
                     parent.in_lru = True
+                self._forget_if_empty(parent)
             else:
                 keep = size - need
                 if keep < need:  # copy the shorter side: keep the head, hand over the list

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import msgspec
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")
@@ -57,17 +59,19 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not isinstance(self.group_min_tokens, int) or self.group_min_tokens < 0:
             raise ValueError(f"group_min_tokens: must be an int >= 0, got {self.group_min_tokens!r}")
-        for name in ("reserve_ratio_init", "reserve_ratio_min", "reserve_margin"):
+        for name in ("reserve_ratio_init", "reserve_ratio_min", "reserve_margin", "reserve_decay"):
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
-        if not 0.0 <= self.reserve_decay <= 1.0:
-            raise ValueError(f"reserve_decay: must be in [0, 1], got {self.reserve_decay!r}")
+            if not _is_real(value) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be a number in [0, 1], got {value!r}")
 
     @property
     def group_min_pages(self) -> int:
         """group_min_tokens in whole pages (at least one)."""
         return max(1, -(-self.group_min_tokens // self.page_size))
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _positive_int(name: str, value: object) -> None:

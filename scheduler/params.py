@@ -8,10 +8,13 @@ whose habits it follows). Pure Python, so the scheduler stays free of torch.
 from __future__ import annotations
 
 import math
+import numbers
 
 import msgspec
 
 _SEED_LIMIT = 1 << 63
+# Temperatures below this are greedy: dividing logits by them overflows float32 (vLLM's rule).
+GREEDY_BELOW = 1e-5
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -59,12 +62,14 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or so close to it that scaling by it would overflow."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Any integral number (numpy's too), never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+    return _is_int(value) or (isinstance(value, numbers.Real) and math.isfinite(value))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from scheduler.params import SamplingParams
+from scheduler.params import GREEDY_BELOW, SamplingParams
 
 _M32 = 0xFFFFFFFF
 
@@ -84,7 +84,7 @@ class Sampler:
             return greedy_tokens
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        greedy = temps == 0
+        greedy = temps < GREEDY_BELOW
         x = logits / torch.where(greedy, 1.0, temps)[:, None]
         x = self._apply_filters(x, params)
         seeds = torch.tensor(

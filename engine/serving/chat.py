@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.serving.outputs import RequestOutput
 from engine.serving.prompts import encode_text, render_messages
+from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class ChatSession:
             raise ValueError(f"system: expected str or None, got {type(system).__name__}")
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        check_namespace(namespace)
         self._engine = engine
         self._params = params
         self._namespace = namespace
@@ -141,6 +143,7 @@ class ChatSession:
             raise ValueError(f"text: expected str, got {type(text).__name__}")
         if not text:
             raise ValueError("text: empty message")
+        check_text(text, "text")
         messages = [*self.messages, {"role": "user", "content": text}]
         tokenizer = self._engine.tokenizer
         full_text = render_messages(tokenizer, messages, "text")

@@ -73,10 +73,11 @@ class IncrementalDetokenizer:
         """Flushes held-back text at the end of the request; returns it."""
         if self.stopped:
             return ""
+        delta = ""
         if self._read < len(self._ids):
             window = self._decode(self._ids[self._anchor :])
-            self._append(self._advance(window))
-        return self._take(len(self._raw))
+            delta = self._append(self._advance(window))
+        return delta + self._take(len(self._raw))
 
     def _advance(self, window: str) -> str:
         piece = window[self._anchor_chars :]

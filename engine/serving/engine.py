@@ -84,6 +84,7 @@ class Engine:
         **scheduler_options: Any,
     ) -> None:
         # Every argument is checked before the (slow) model load.
+        _check_model_arg(model)
         _check_engine_args(page_size, num_pages, kv_cache_bytes, prefix_cache)
         thread_policy = ThreadPolicy.default(threads)
         sched_config = _scheduler_config(
@@ -97,9 +98,9 @@ class Engine:
         self._device = loaded.device
         self._dtype = loaded.dtype
         self._prefix_cache = prefix_cache
-        kv = KVManager(
-            _pool_pages(loaded, page_size, num_pages, kv_cache_bytes), page_size, prefix_cache
-        )
+        pages = _pool_pages(loaded, page_size, num_pages, kv_cache_bytes)
+        _check_pool_fits(loaded, page_size, pages, "num_pages" if num_pages else "kv_cache_bytes")
+        kv = KVManager(pages, page_size, prefix_cache)
         cfg = loaded.config
         pool = KVPool(
             cfg.num_layers, kv.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
@@ -275,7 +276,9 @@ class Engine:
         if isinstance(prefix, str):
             if not prefix:
                 raise ValueError("prefix: empty prefix; it needs at least one token")
-            prefix_ids = check_token_ids(encode_text(self._tokenizer, prefix), vocab, "prefix")
+            prefix_ids = check_token_ids(
+                encode_text(self._tokenizer, prefix, field="prefix"), vocab, "prefix"
+            )
         else:
             prefix_ids = encode_prompt(self._tokenizer, prefix, vocab, "prefix")
         if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
@@ -285,7 +288,9 @@ class Engine:
         prompts: list[list[int]] = []
         for i, suffix in enumerate(suffixes):
             if isinstance(suffix, str):
-                ids = encode_text(self._tokenizer, suffix, add_special_tokens=False)
+                ids = encode_text(
+                    self._tokenizer, suffix, add_special_tokens=False, field=f"suffixes[{i}]"
+                )
             elif isinstance(suffix, Sequence):
                 ids = check_token_ids(suffix, vocab, f"suffixes[{i}]") if len(suffix) else []
             else:
@@ -372,6 +377,61 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self._tokenizer, stop=params.stop, prompt_ids=token_ids)
         self._loop.submit(Job(request, detokenizer, handle, stream))
         return handle
+
+
+def _check_model_arg(model: Any) -> None:
+    if model is None or isinstance(model, LoadedModel):
+        return
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(
+            f"model: expected a checkpoint directory or .gguf path (str), got "
+            f"{type(model).__name__}"
+        )
+    if not os.fspath(model):
+        raise ValueError("model: empty path; pass None for the bundled model")
+
+
+def _check_pool_fits(loaded: LoadedModel, page_size: int, pages: int, field: str) -> None:
+    """The KV pool must fit the memory there is, checked before allocating it (a pool too
+    large for the machine would get the process killed, not an error)."""
+    cfg = loaded.config
+    per_page = KVPool.bytes_per_page(
+        cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+    )
+    need = pages * per_page
+    if loaded.device.type == "cuda":
+        available = torch.cuda.mem_get_info(loaded.device)[0]
+    else:
+        available = _available_memory_bytes()
+    if need > available:
+        raise ValueError(
+            f"{field}: {pages} pages x {per_page:,} bytes (page_size {page_size}) = {need:,} "
+            f"bytes of KV cache, more than the {available:,} bytes of memory available"
+        )
+
+
+def _available_memory_bytes() -> int:
+    """Memory the process can still take: MemAvailable, or a cgroup limit when lower."""
+    available = _machine_memory_bytes()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for path, used_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(path) as f, open(used_path) as g:
+                limit = f.read().strip()
+                if limit.isdigit():
+                    available = min(available, int(limit) - int(g.read().strip()))
+        except (OSError, ValueError):
+            continue
+    return available
 
 
 def _check_engine_args(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.serving.validation import check_messages, check_token_ids, is_token_id
+from engine.serving.validation import check_messages, check_text, check_token_ids, is_token_id
 
 # One prompt: text, token ids, or a conversation [{"role": ..., "content": ...}, ...].
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -45,7 +45,10 @@ def render_messages(tokenizer: Any, messages: Sequence[Mapping[str, str]], field
     )
 
 
-def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+def encode_text(
+    tokenizer: Any, text: str, add_special_tokens: bool = True, field: str = "prompt"
+) -> list[int]:
+    check_text(text, field)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -55,7 +58,7 @@ def encode_prompt(tokenizer: Any, prompt: Any, vocab_size: int, field: str) -> l
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError(f"{field}: empty prompt; a prompt needs at least one token")
-        return check_token_ids(encode_text(tokenizer, prompt), vocab_size, field)
+        return check_token_ids(encode_text(tokenizer, prompt, field=field), vocab_size, field)
     if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
         if len(prompt) == 0:
             raise ValueError(f"{field}: empty prompt; a prompt needs at least one token")

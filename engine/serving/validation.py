@@ -37,6 +37,17 @@ def check_token_ids(ids: Sequence[Any], vocab_size: int, field: str) -> list[int
     return out
 
 
+def check_text(text: str, field: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (from a bad decode) is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{field}: character {exc.start} ({text[exc.start]!r}) is a lone surrogate, which "
+            "is not valid Unicode text"
+        ) from None
+
+
 def check_messages(messages: Sequence[Any], field: str) -> list[dict[str, str]]:
     """Chat messages: a non-empty list of {"role": str, "content": str}."""
     if len(messages) == 0:
@@ -58,6 +69,7 @@ def check_messages(messages: Sequence[Any], field: str) -> list[dict[str, str]]:
                 )
         if not message["role"]:
             raise ValueError(f"{where}.role: empty role")
+        check_text(message["content"], f"{where}.content")
         out.append(dict(message))
     return out
 
@@ -120,7 +132,18 @@ def check_fits(
         )
 
 
+# Namespaces name tenants (an id, a hash); the tree keeps each as a key, so their size is bounded.
+MAX_NAMESPACE_CHARS = 256
+
+
 def check_namespace(namespace: Any) -> str | None:
     if namespace is not None and not isinstance(namespace, str):
         raise ValueError(f"namespace: expected str or None, got {type(namespace).__name__}")
+    if namespace is not None and len(namespace) > MAX_NAMESPACE_CHARS:
+        raise ValueError(
+            f"namespace: {len(namespace)} characters, more than the limit of "
+            f"{MAX_NAMESPACE_CHARS} (hash longer tenant names)"
+        )
+    if namespace is not None:
+        check_text(namespace, "namespace")
     return namespace

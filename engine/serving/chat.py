@@ -14,11 +14,12 @@ that does is kept; ``last_dropped_tokens`` says how many were not.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine.serving.handle import TextStream
 from engine.serving.outputs import RequestOutput
-from engine.serving.prompts import encode_text, render_messages
+from engine.serving.prompts import Span, encode_text, encode_with_spans, render_with_spans
 from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 
@@ -27,11 +28,15 @@ if TYPE_CHECKING:
 
 
 def continue_tokens(
-    tokenizer: Any, previous_ids: Sequence[int], full_text: str
+    tokenizer: Any,
+    previous_ids: Sequence[int],
+    full_text: str,
+    spans: Sequence[Span] | None = None,
 ) -> tuple[list[int], int]:
     """Token ids of ``full_text`` that start with as many of ``previous_ids`` as possible.
 
-    Returns (ids, reused): ``ids[:reused] == previous_ids[:reused]``.
+    Returns (ids, reused): ``ids[:reused] == previous_ids[:reused]``. Text inside ``spans``
+    (callers' message contents) is encoded as plain text, never as control tokens.
     """
     previous = list(previous_ids)
 
@@ -51,8 +56,13 @@ def continue_tokens(
             else:
                 hi = mid - 1
         keep = lo
-    rest = full_text[len(decode(previous[:keep])) :]
-    tail = encode_text(tokenizer, rest, add_special_tokens=False) if rest else []
+    offset = len(decode(previous[:keep]))
+    rest = full_text[offset:]
+    if spans is None:
+        tail = encode_text(tokenizer, rest, add_special_tokens=False) if rest else []
+    else:
+        shifted = [(max(s - offset, 0), e - offset) for s, e in spans if e > offset]
+        tail = encode_with_spans(tokenizer, rest, shifted)
     return previous[:keep] + tail, keep
 
 
@@ -108,23 +118,15 @@ class ChatSession:
         self._record(messages, ids, output)
         return output.text
 
-    def stream(
-        self, text: str, params: SamplingParams | None = None
-    ) -> Iterator[str | RequestOutput]:
+    def stream(self, text: str, params: SamplingParams | None = None) -> TextStream:
         """Like ``Engine.stream``: text deltas, then the RequestOutput; closing early aborts."""
         messages, ids = self._prepare_turn(text)
-        events = self._engine.stream(ids, self._params_for(params), self._namespace)
-
-        def turn() -> Iterator[str | RequestOutput]:
-            try:
-                for item in events:
-                    if isinstance(item, RequestOutput):
-                        self._record(messages, ids, item)
-                    yield item
-            finally:
-                events.close()
-
-        return turn()
+        p = self._params_for(params)
+        self._engine.stream(ids, p, self._namespace)  # validates now, in the caller's thread
+        return TextStream(
+            lambda: self._engine.submit(ids, p, self._namespace, stream=True),
+            on_output=lambda output: self._record(messages, ids, output),
+        )
 
     def fork(self) -> ChatSession:
         """An independent copy of this session (same history, params and namespace)."""
@@ -146,8 +148,8 @@ class ChatSession:
         check_text(text, "text")
         messages = [*self.messages, {"role": "user", "content": text}]
         tokenizer = self._engine.tokenizer
-        full_text = render_messages(tokenizer, messages, "text")
-        ids, reused = continue_tokens(tokenizer, self._conversation_ids, full_text)
+        full_text, spans = render_with_spans(tokenizer, messages, "text")
+        ids, reused = continue_tokens(tokenizer, self._conversation_ids, full_text, spans)
         self.last_dropped_tokens = len(self._conversation_ids) - reused
         return messages, ids
 

@@ -11,8 +11,18 @@ from typing import TYPE_CHECKING, TextIO
 if TYPE_CHECKING:
     from engine import Engine, RequestOutput, SamplingParams
 
-HELP_TEXT = """commands: /reset (new conversation), /stats (engine counters), /exit (or Ctrl-D)
-Ctrl-C stops a reply that is being generated."""
+HELP_TEXT = """commands: /help (this list), /reset (new conversation), /stats (engine counters),
+/exit (or Ctrl-D). Ctrl-C stops a reply that is being generated, or clears the line."""
+COMMANDS = ("/help", "/reset", "/stats", "/exit", "/quit")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("radixkv")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,18 +34,30 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     common.add_argument(
         "--dtype", default=None,
-        help="float32, bfloat16, float16 (default: bfloat16 where fast, else float32)",
+        help="float32, bfloat16 or float16 (slow on a CPU); default: measured on this machine",
     )
+    # Sampling by default: a 135M model decoding greedily soon repeats itself (llama.cpp's
+    # defaults, which people know).
     common.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
     common.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default), higher = more random"
+        "--temperature", type=float, default=0.8, help="0 = greedy; default 0.8"
     )
-    common.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0)")
+    common.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
+    common.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
     common.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    common.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT",
+        help="end a reply at TEXT (repeatable)",
+    )
+    common.add_argument(
+        "--namespace", default=None, help="cache namespace: requests never share across them"
+    )
+    common.add_argument("--num-pages", type=int, default=None, help="KV cache size in pages")
 
     parser = argparse.ArgumentParser(
         prog="radixkv", description="A prefix-caching LLM inference engine."
     )
+    parser.add_argument("--version", action="version", version=f"radixkv {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chat = commands.add_parser(
         "chat", parents=[common], help="interactive multi-turn chat (streams replies)"
@@ -61,7 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
+            top_k=args.top_k,
             seed=args.seed,
+            stop=list(args.stop),
         )
     except ValueError as exc:
         print(f"radixkv: error: {exc}", file=sys.stderr)
@@ -69,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     print("radixkv: loading model ...", file=sys.stderr, flush=True)
     try:
-        engine = Engine(model=args.model, device=args.device, dtype=args.dtype)
+        engine = Engine(
+            model=args.model, device=args.device, dtype=args.dtype, num_pages=args.num_pages
+        )
     except ValueError as exc:
         print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2
@@ -82,16 +108,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr, flush=True,
         )
         if args.command == "chat":
-            return run_chat(engine, params, args.system, sys.stdin, sys.stdout)
-        return run_generate(engine, params, args.text, args.raw, sys.stdout)
+            return run_chat(engine, params, args.system, sys.stdin, sys.stdout, args.namespace)
+        return run_generate(engine, params, args.text, args.raw, sys.stdout, args.namespace)
 
 
 def run_generate(
-    engine: Engine, params: SamplingParams, text: str, raw: bool, out: TextIO
+    engine: Engine,
+    params: SamplingParams,
+    text: str,
+    raw: bool,
+    out: TextIO,
+    namespace: str | None = None,
 ) -> int:
     prompt = text if raw else [{"role": "user", "content": text}]
     try:
-        events = engine.stream(prompt, params)
+        events = engine.stream(prompt, params, namespace)
     except ValueError as exc:
         print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2
@@ -108,12 +139,21 @@ def run_generate(
 
 
 def run_chat(
-    engine: Engine, params: SamplingParams, system: str | None, inp: TextIO, out: TextIO
+    engine: Engine,
+    params: SamplingParams,
+    system: str | None,
+    inp: TextIO,
+    out: TextIO,
+    namespace: str | None = None,
 ) -> int:
     interactive = inp.isatty()
     if interactive:
         print(HELP_TEXT, file=sys.stderr)
-    session = engine.chat(system=system, params=params)
+    try:
+        session = engine.chat(system=system, params=params, namespace=namespace)
+    except ValueError as exc:
+        print(f"radixkv: error: {exc}", file=sys.stderr)
+        return 2
     while True:
         try:
             if interactive:
@@ -123,9 +163,12 @@ def run_chat(
                 if not line:
                     break
                 line = line.rstrip("\n")
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:  # Ctrl-D
             print(file=sys.stderr)
             break
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, not an exit
+            print(file=sys.stderr)
+            continue
         text = line.strip()
         if not text:
             continue
@@ -135,7 +178,7 @@ def run_chat(
             print(HELP_TEXT, file=sys.stderr)
             continue
         if text == "/reset":
-            session = engine.chat(system=system, params=params)
+            session = engine.chat(system=system, params=params, namespace=namespace)
             print("[new conversation]", file=sys.stderr)
             continue
         if text == "/stats":
@@ -147,6 +190,9 @@ def run_chat(
                 f"of {stats.pages_total}]",
                 file=sys.stderr,
             )
+            continue
+        if text.startswith("/") and text.split()[0] not in COMMANDS:
+            print(f"[unknown command {text.split()[0]}; /help lists them]", file=sys.stderr)
             continue
         try:
             turn = session.stream(text)

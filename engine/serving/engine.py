@@ -7,7 +7,7 @@ import itertools
 import os
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +20,7 @@ from engine.model.runner import ModelRunner
 from engine.model.threads import ThreadPolicy
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.errors import EngineDeadError
-from engine.serving.handle import RequestHandle, outputs_or_raise
+from engine.serving.handle import RequestHandle, TextStream, outputs_or_raise
 from engine.serving.loop import EngineLoop, Job
 from engine.serving.outputs import RequestOutput
 from engine.serving.prompts import encode_prompt, encode_text, split_prompts
@@ -93,6 +93,7 @@ class Engine:
         )
         _check_backend(backend)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+        warn_if_slow_dtype(loaded.device, loaded.dtype)
         self._tokenizer = loaded.tokenizer
         self._config = loaded.config
         self._device = loaded.device
@@ -217,19 +218,16 @@ class Engine:
 
     def stream(
         self, prompt: Any, params: SamplingParams | None = None, namespace: str | None = None
-    ) -> Iterator[str | RequestOutput]:
+    ) -> TextStream:
         """Yields text deltas (str) as they are generated, then the final RequestOutput.
 
         The deltas concatenate to ``RequestOutput.text``. The request is submitted on the first
-        ``next()``; closing the generator before the end (``break`` in a for loop, ``close()``)
-        aborts it and frees its pages.
+        ``next()``. ``close()`` (from any thread) aborts it and frees its pages, as does
+        dropping the stream before its end; a ``break`` alone leaves it running while the
+        stream is still referenced (a ``TextStream``; ``submit`` gives a handle to abort).
         """
         [(ids, p)] = self._prepare(prompt, params, namespace, single=True)
-
-        def events() -> Iterator[str | RequestOutput]:
-            yield from self._submit_ids(ids, p, namespace, stream=True)
-
-        return events()
+        return TextStream(lambda: self._submit_ids(ids, p, namespace, stream=True))
 
     async def agenerate(
         self, prompts: Any, params: ParamsArg = None, namespace: str | None = None
@@ -377,6 +375,17 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self._tokenizer, stop=params.stop, prompt_ids=token_ids)
         self._loop.submit(Job(request, detokenizer, handle, stream))
         return handle
+
+
+def warn_if_slow_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    """float16 on a CPU has no fast kernels in torch (~5x slower than float32 here): say so."""
+    if device.type == "cpu" and dtype == torch.float16:
+        warnings.warn(
+            "dtype: float16 on the CPU runs several times slower than float32 (torch has no "
+            "fast CPU kernels for it); use float32, bfloat16, or dtype=None to measure",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _check_model_arg(model: Any) -> None:

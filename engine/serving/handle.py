@@ -167,6 +167,50 @@ class RequestHandle:
             await waiter
 
 
+class TextStream:
+    """What ``Engine.stream`` returns: text deltas, then the RequestOutput.
+
+    The request is submitted on the first ``next()`` (a stream never started costs nothing).
+    ``close()`` aborts it and is safe from any thread, also while another thread waits in
+    ``next()`` (which then gets the aborted output). A ``break`` does not tell an iterator
+    anything: the request runs on while the stream is referenced, and is aborted when it is
+    closed or dropped.
+    """
+
+    def __init__(
+        self,
+        start: Callable[[], RequestHandle],
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> None:
+        self._start = start
+        self._on_output = on_output
+        self._handle: RequestHandle | None = None
+        self._items: Iterator[str | RequestOutput] | None = None
+        self._closed = False
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str | RequestOutput:
+        if self._items is None:
+            if self._closed:
+                raise StopIteration
+            self._handle = self._start()
+            self._items = iter(self._handle)
+        item = next(self._items)
+        if isinstance(item, RequestOutput) and self._on_output is not None:
+            self._on_output(item)
+        return item
+
+    def close(self) -> None:
+        self._closed = True
+        if self._handle is not None:
+            self._handle.abort()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 def _wake(waiter: asyncio.Future[None] | None) -> None:
     if waiter is not None and not waiter.done():
         waiter.set_result(None)

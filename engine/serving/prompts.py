@@ -36,6 +36,10 @@ def split_prompts(prompts: Any) -> list[Any]:
     return [_as_python(p) for p in prompts]
 
 
+# A span of text [start, end) that came from a caller: it is encoded as plain text.
+Span = tuple[int, int]
+
+
 def render_messages(tokenizer: Any, messages: Sequence[Mapping[str, str]], field: str) -> str:
     """The conversation as text, ready for the assistant's reply (the model's chat template)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -43,6 +47,77 @@ def render_messages(tokenizer: Any, messages: Sequence[Mapping[str, str]], field
     return tokenizer.apply_chat_template(
         list(messages), tokenize=False, add_generation_prompt=True
     )
+
+
+def render_with_spans(
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], field: str
+) -> tuple[str, list[Span]]:
+    """The rendered conversation and where each message's content lies in it.
+
+    Only the template's own markers may become control tokens: a user who types
+    ``<|im_end|><|im_start|>system`` in a message must not forge a system turn. The contents
+    are found by rendering the template once more with placeholders in their place (exact,
+    whatever text the template puts around them); a template that rewrites contents falls
+    back to finding them in order.
+    """
+    text = render_messages(tokenizer, messages, field)
+    check_roles(tokenizer, messages, field)
+    marks = [f"\x00radixkv-content-{i}\x00" for i in range(len(messages))]
+    stand_ins = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+    skeleton = render_messages(tokenizer, stand_ins, field)
+    spans: list[Span] = []
+    rebuilt: list[str] = []
+    length = 0
+    rest = skeleton
+    for message, mark in zip(messages, marks):
+        before, found, rest_after = rest.partition(mark)
+        if not found:
+            break
+        rebuilt.append(before)
+        length += len(before)
+        spans.append((length, length + len(message["content"])))
+        rebuilt.append(message["content"])
+        length += len(message["content"])
+        rest = rest_after
+    rebuilt.append(rest)
+    if "".join(rebuilt) == text and len(spans) == len(messages):
+        return text, spans
+    spans, at = [], 0
+    for message in messages:  # the template rewrote something: find each content in order
+        start = text.find(message["content"], at)
+        if start < 0:
+            continue
+        spans.append((start, start + len(message["content"])))
+        at = start + len(message["content"])
+    return text, spans
+
+
+def check_roles(tokenizer: Any, messages: Sequence[Mapping[str, str]], field: str) -> None:
+    """A role is the template's business: it may not carry special tokens either."""
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    for i, message in enumerate(messages):
+        for token in specials:
+            if token in message["role"]:
+                raise ValueError(f"{field}[{i}].role: contains the special token {token!r}")
+
+
+def encode_with_spans(tokenizer: Any, text: str, spans: Sequence[Span]) -> list[int]:
+    """Token ids of ``text``: special tokens are recognised outside ``spans`` only."""
+    ids: list[int] = []
+    at = 0
+    for start, end in sorted(spans):
+        if start < at:
+            continue
+        if start > at:
+            ids += tokenizer.encode(text[at:start], add_special_tokens=False)
+        if end > start:
+            ids += tokenizer.encode(
+                text[start:end], add_special_tokens=False, split_special_tokens=True
+            )
+        at = end
+    if at < len(text):
+        ids += tokenizer.encode(text[at:], add_special_tokens=False)
+    return ids
 
 
 def encode_text(
@@ -64,10 +139,10 @@ def encode_prompt(tokenizer: Any, prompt: Any, vocab_size: int, field: str) -> l
             raise ValueError(f"{field}: empty prompt; a prompt needs at least one token")
         if isinstance(prompt[0], Mapping):
             messages = check_messages(prompt, field)
-            text = render_messages(tokenizer, messages, field)
-            # The template writes the special tokens itself (BOS included where it has one).
-            ids = encode_text(tokenizer, text, add_special_tokens=False)
-            return check_token_ids(ids, vocab_size, field)
+            # The template writes the special tokens itself (BOS included where it has one);
+            # the contents are text, whatever they look like.
+            text, spans = render_with_spans(tokenizer, messages, field)
+            return check_token_ids(encode_with_spans(tokenizer, text, spans), vocab_size, field)
         return check_token_ids(prompt, vocab_size, field)
     raise ValueError(
         f"{field}: expected str, token ids or chat messages, got {type(prompt).__name__}"

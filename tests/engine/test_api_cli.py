@@ -48,3 +48,50 @@ def test_help_runs_without_loading_a_model() -> None:
     )
     assert result.returncode == 0
     assert "chat" in result.stdout and "generate" in result.stdout
+
+
+class _CtrlCThenLines(io.StringIO):
+    """stdin whose first read is a Ctrl-C at the idle prompt."""
+
+    interrupted = False
+
+    def readline(self, *args: object) -> str:
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return super().readline(*args)
+
+
+def test_unknown_commands_are_not_sent_to_the_model(engine, capsys) -> None:
+    before = engine.stats().requests
+    stdout = io.StringIO()
+    assert run_chat(engine, greedy(4), None, io.StringIO("/frobnicate now\n/exit\n"), stdout) == 0
+    assert "unknown command /frobnicate" in capsys.readouterr().err
+    assert engine.stats().requests == before and "bot> " not in stdout.getvalue()
+
+
+def test_ctrl_c_at_the_idle_prompt_clears_the_line_and_the_chat_goes_on(engine) -> None:
+    stdout = io.StringIO()
+    assert run_chat(engine, greedy(4), None, _CtrlCThenLines("Hello!\n/exit\n"), stdout) == 0
+    assert stdout.getvalue().count("bot> ") == 1
+
+
+def test_help_lists_every_command() -> None:
+    from engine.serving.cli import COMMANDS, HELP_TEXT
+
+    assert all(command in HELP_TEXT for command in COMMANDS if command != "/quit")
+
+
+def test_cli_has_version_and_the_options_people_look_for() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.serving.cli", "--version"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("radixkv ")
+    args = build_parser().parse_args(
+        ["chat", "--top-k", "5", "--stop", "END", "--stop", "STOP", "--namespace", "t",
+         "--num-pages", "64"]
+    )
+    assert (args.top_k, args.stop, args.namespace, args.num_pages) == (5, ["END", "STOP"], "t", 64)
+    defaults = build_parser().parse_args(["chat"])
+    assert defaults.temperature > 0 and defaults.top_k > 0  # sampling: greedy loops this model

@@ -101,6 +101,29 @@ def check_roles(tokenizer: Any, messages: Sequence[Mapping[str, str]], field: st
                 raise ValueError(f"{field}[{i}].role: contains the special token {token!r}")
 
 
+def plain_text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` with special-token strings split into ordinary tokens.
+
+    A fast tokenizer does this through a flag on its shared backend, which
+    ``split_special_tokens=True`` flips per call: that races with other threads' encodes (seen:
+    chat turns tokenised differently run to run). A private copy with the flag set once is
+    kept on the tokenizer instead.
+    """
+    plain = getattr(tokenizer, "_radixkv_plain_text", None)
+    if plain is None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow tokenizer splits per call, without shared state
+            return list(
+                tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+            )
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(backend.to_str())
+        plain.encode_special_tokens = True
+        tokenizer._radixkv_plain_text = plain
+    return list(plain.encode(text, add_special_tokens=False).ids)
+
+
 def encode_with_spans(tokenizer: Any, text: str, spans: Sequence[Span]) -> list[int]:
     """Token ids of ``text``: special tokens are recognised outside ``spans`` only."""
     ids: list[int] = []
@@ -111,9 +134,7 @@ def encode_with_spans(tokenizer: Any, text: str, spans: Sequence[Span]) -> list[
         if start > at:
             ids += tokenizer.encode(text[at:start], add_special_tokens=False)
         if end > start:
-            ids += tokenizer.encode(
-                text[start:end], add_special_tokens=False, split_special_tokens=True
-            )
+            ids += plain_text_ids(tokenizer, text[start:end])
         at = end
     if at < len(text):
         ids += tokenizer.encode(text[at:], add_special_tokens=False)

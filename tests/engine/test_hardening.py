@@ -160,3 +160,21 @@ def test_float16_on_the_cpu_warns_that_it_is_slow() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_slow_dtype(torch.device("cpu"), torch.float32)
+
+
+def test_message_tokenisation_is_the_same_from_many_threads_at_once(engine, tokenizer) -> None:
+    vocab = engine.model_config.vocab_size
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": EVIL}]
+    expected = encode_prompt(tokenizer, messages, vocab, "prompt")
+    results: list[list[int]] = []
+
+    def tokenise() -> None:
+        for _ in range(30):
+            results.append(encode_prompt(tokenizer, messages, vocab, "prompt"))
+
+    threads = [threading.Thread(target=tokenise) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 180 and all(ids == expected for ids in results)

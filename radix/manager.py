@@ -105,6 +105,11 @@ class KVManager:
         return self._allocator.num_free + self._tree.evictable_pages
 
     @property
+    def evicted_pages(self) -> int:
+        """Pages evicted from the tree so far (only grows)."""
+        return self._evicted
+
+    @property
     def tree(self) -> RadixCache:
         """The prefix tree, for reading (benchmarks, tests); change it only through here."""
         return self._tree

@@ -81,7 +81,7 @@ class Scheduler:
     @property
     def counters(self) -> SchedulerCounters:
         """A snapshot of the monotone counters (evicted pages as the KV manager counts them)."""
-        return replace(self._counters, evicted_pages=self._kv.stats().evicted)
+        return replace(self._counters, evicted_pages=self._kv.evicted_pages)
 
     @property
     def has_work(self) -> bool:

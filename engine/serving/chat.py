@@ -121,12 +121,9 @@ class ChatSession:
     def stream(self, text: str, params: SamplingParams | None = None) -> TextStream:
         """Like ``Engine.stream``: text deltas, then the RequestOutput; closing early aborts."""
         messages, ids = self._prepare_turn(text)
-        p = self._params_for(params)
-        self._engine.stream(ids, p, self._namespace)  # validates now, in the caller's thread
-        return TextStream(
-            lambda: self._engine.submit(ids, p, self._namespace, stream=True),
-            on_output=lambda output: self._record(messages, ids, output),
-        )
+        stream = self._engine.stream(ids, self._params_for(params), self._namespace)
+        stream.on_output = lambda output: self._record(messages, ids, output)
+        return stream
 
     def fork(self) -> ChatSession:
         """An independent copy of this session (same history, params and namespace)."""

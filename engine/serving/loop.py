@@ -55,7 +55,9 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
         self._scheduler = scheduler
         self._runner: ModelRunner | None = runner
-        self._lock = threading.Lock()
+        # Re-entrant: a dropped stream's finaliser aborts its request, and the garbage
+        # collector may run it in a thread that already holds this lock.
+        self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._inbox: deque[tuple[str, Any]] = deque()
         self._closing = False

@@ -15,6 +15,8 @@ import msgspec
 _SEED_LIMIT = 1 << 63
 # Temperatures below this are greedy: dividing logits by them overflows float32 (vLLM's rule).
 GREEDY_BELOW = 1e-5
+# Most alternatives a request may ask log-probabilities for (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -29,6 +31,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # None: no log-probabilities; k >= 0: the sampled token's and the k most likely tokens'.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,6 +63,13 @@ class SamplingParams(msgspec.Struct, frozen=True):
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs: must be None or an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.logprobs!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:

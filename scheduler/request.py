@@ -41,6 +41,7 @@ class Request:
     kv: CacheHandle | None = None
     arrival: int = 0  # arrival order, set by Scheduler.add
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # first admission (queue time = this - arrival_time)
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None  # "stop", "length", "abort"

@@ -338,6 +338,7 @@ class Scheduler:
         self._running[request] = None
         if not request.admitted:
             request.admitted = True
+            request.admitted_time = time.monotonic()
             request.cached_tokens = kv.cached_len
             self._counters.prompt_tokens += len(request.prompt)
             self._counters.cached_tokens += kv.cached_len

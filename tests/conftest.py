@@ -8,6 +8,7 @@ import pytest
 
 from scheduler.batch import BatchEntry
 from scheduler.request import Request
+from tests.server_process import ServerProcess
 
 
 def _one_thread() -> None:
@@ -61,3 +62,19 @@ def make_entry() -> Any:
     """``make_entry(request, input_ids, start_pos, pages, page_size, sample=True)`` builds a
     BatchEntry with the slots its page table implies (for hand-built test batches)."""
     return _make_entry
+
+
+# ------------------------------------------------------------------------- the HTTP server
+
+
+@pytest.fixture(scope="session")
+def server() -> Any:
+    """The session's server: float32, 1024 pages of 16 tokens, no API key, no queue limit."""
+    proc = ServerProcess("--num-pages", "1024")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def server_url(server: ServerProcess) -> str:
+    return server.url

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -11,9 +12,18 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
 from engine.model.rows import RowPadding
-from engine.model.sampler import Sampler
+from engine.model.sampler import Sampler, TokenLogprob, token_logprobs
 from engine.model.threads import ThreadPolicy
 from scheduler.batch import Batch
+
+
+@dataclass
+class StepResult:
+    """What one step produced, per batch entry: the sampled token (-1 for entries that only
+    prefill) and its log-probabilities (None unless the request asked for them)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 class ModelRunner:
@@ -98,10 +108,11 @@ class ModelRunner:
             raise ValueError(f"pages: page id over the pool's {self.pool.num_pages} pages")
 
     @torch.inference_mode()
-    def step(self, batch: Batch) -> list[int]:
-        """One token per entry (-1 where ``sample`` is False), by each request's params."""
+    def step(self, batch: Batch) -> StepResult:
+        """One token per entry (-1 where ``sample`` is False), by each request's params, and
+        the log-probabilities of the requests that asked for them."""
         logits = self.forward(batch)
-        out = [-1] * len(batch.entries)
+        out = StepResult([-1] * len(batch.entries), [None] * len(batch.entries))
         rows = [i for i, e in enumerate(batch.entries) if e.sample]
         if not rows:
             return out
@@ -110,5 +121,13 @@ class ModelRunner:
             logits, [r.params for r in requests], [len(r.output) for r in requests]
         )
         for i, t in zip(rows, tokens.tolist()):
-            out[i] = t
+            out.tokens[i] = t
+        wants = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
+        if wants:
+            picked = torch.tensor(wants, device=logits.device)
+            found = token_logprobs(
+                logits[picked], tokens[picked], [requests[j].params.logprobs for j in wants]
+            )
+            for j, lp in zip(wants, found):
+                out.logprobs[rows[j]] = lp
         return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from scheduler.params import GREEDY_BELOW, SamplingParams
@@ -48,6 +49,37 @@ def gumbel_noise(
     h = mix32(key[:, None] ^ vocab_hash[None, :])
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(-torch.log(u))
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """The log-probability of a generated token under the model, and its best alternatives.
+
+    Log-probabilities are of the model's own distribution (log-softmax of the raw logits),
+    before temperature and filters, so they mean the same for every request (vLLM's default).
+    ``top`` holds ``(token_id, logprob)`` of the most likely tokens, best first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, counts: Sequence[int]
+) -> list[TokenLogprob]:
+    """Each row's chosen token's log-probability and its ``counts[i]`` best alternatives."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+    k = max(counts, default=0)
+    top_ids: list[list[int]] = [[] for _ in counts]
+    top_lp: list[list[float]] = [[] for _ in counts]
+    if k > 0:
+        values, ids = logp.topk(k, dim=-1)
+        top_ids, top_lp = ids.tolist(), values.tolist()
+    return [
+        TokenLogprob(int(t), lp, list(zip(i[:c], v[:c])))
+        for t, lp, i, v, c in zip(tokens.tolist(), chosen, top_ids, top_lp, counts)
+    ]
 
 
 class Sampler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
@@ -25,57 +25,83 @@ def _version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
+def engine_options() -> argparse.ArgumentParser:
+    """The options that build the Engine (shared by every command, ``serve`` too)."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
         "--model", default=None,
         help="HF Llama-family checkpoint directory or .gguf file (default: bundled SmolLM2-135M)",
     )
-    common.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    common.add_argument(
+    options.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    options.add_argument(
         "--dtype", default=None,
         help="float32, bfloat16 or float16 (slow on a CPU); default: measured on this machine",
     )
+    options.add_argument("--num-pages", type=int, default=None, help="KV cache size in pages")
+    return options
+
+
+def sampling_options() -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
     # Sampling by default: a 135M model decoding greedily soon repeats itself (llama.cpp's
     # defaults, which people know).
-    common.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
-    common.add_argument(
+    options.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
+    options.add_argument(
         "--temperature", type=float, default=0.8, help="0 = greedy; default 0.8"
     )
-    common.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
-    common.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
-    common.add_argument("--seed", type=int, default=None, help="seed for sampling")
-    common.add_argument(
+    options.add_argument(
+        "--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)"
+    )
+    options.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
+    options.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    options.add_argument(
         "--stop", action="append", default=[], metavar="TEXT",
         help="end a reply at TEXT (repeatable)",
     )
-    common.add_argument(
+    options.add_argument(
         "--namespace", default=None, help="cache namespace: requests never share across them"
     )
-    common.add_argument("--num-pages", type=int, default=None, help="KV cache size in pages")
+    return options
 
-    parser = argparse.ArgumentParser(
-        prog="radixkv", description="A prefix-caching LLM inference engine."
-    )
-    parser.add_argument("--version", action="version", version=f"radixkv {_version()}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """``chat`` and ``generate`` (the server adds ``serve`` beside them)."""
+    parents = [engine_options(), sampling_options()]
     chat = commands.add_parser(
-        "chat", parents=[common], help="interactive multi-turn chat (streams replies)"
+        "chat", parents=parents, help="interactive multi-turn chat (streams replies)"
     )
     chat.add_argument("--system", default=None, help="system prompt")
     generate = commands.add_parser(
-        "generate", parents=[common], help="generate a continuation of TEXT and print it"
+        "generate", parents=parents, help="generate a continuation of TEXT and print it"
     )
     generate.add_argument("text", help="the prompt")
     generate.add_argument(
         "--raw", action="store_true",
         help="send TEXT as plain text instead of as a user message in the chat template",
     )
+
+
+def build_parser(
+    more_commands: Callable[[argparse._SubParsersAction], None] | None = None,
+) -> argparse.ArgumentParser:
+    """The ``radixkv`` parser; ``more_commands`` adds commands of other packages (``serve``)."""
+    parser = argparse.ArgumentParser(
+        prog="radixkv", description="A prefix-caching LLM inference engine."
+    )
+    parser.add_argument("--version", action="version", version=f"radixkv {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_commands(commands)
+    if more_commands is not None:
+        more_commands(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``chat`` or ``generate`` with parsed arguments."""
     from engine import Engine, SamplingParams
 
     try:

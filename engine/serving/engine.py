@@ -309,7 +309,26 @@ class Engine:
 
         return ChatSession(self, system=system, params=params, namespace=namespace)
 
+    def encode(self, prompt: Any, field: str = "prompt") -> list[int]:
+        """The token ids ``submit`` would run for ``prompt`` (a conversation rendered with the
+        chat template), validated the same way; ValueError names ``field``."""
+        if self.closed:
+            raise EngineDeadError("the engine is closed")
+        items = split_prompts(prompt)
+        if len(items) != 1:
+            raise ValueError(f"{field}: expected one prompt, got a list of {len(items)}")
+        return encode_prompt(self._tokenizer, items[0], self._config.vocab_size, field)
+
     # ------------------------------------------------------------------------- state, shutdown
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine loop runs (False once it died or the engine was closed)."""
+        return not self.closed and self._loop.alive
+
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running (what a server's queue limit counts)."""
+        return self._loop.num_waiting()
 
     def stats(self) -> EngineStats:
         """Monotone counters (requests, prompt/cached/computed/generated tokens, evicted pages,

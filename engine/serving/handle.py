@@ -14,15 +14,21 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
+from engine.model.sampler import TokenLogprob
 from engine.serving.errors import EngineDeadError
 from engine.serving.outputs import RequestOutput
 
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of a streaming request."""
+    """New text of a streaming request, with the tokens generated since the previous delta
+    (their log-probabilities too, when the request asked). Tokens whose text is held back
+    (a partial character, a possible stop string) arrive with a later delta; those of the
+    last delta's tail are in the final output only."""
 
     text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,11 +108,21 @@ class RequestHandle:
 
     async def __aiter__(self) -> AsyncIterator[str | RequestOutput]:
         """``__iter__`` for asyncio; cancelling the consuming task aborts the request."""
+        events = self.events()
+        try:
+            async for item in events:
+                yield item.text if isinstance(item, Delta) else item
+        finally:
+            await events.aclose()  # aborts unless the output was taken
+
+    async def events(self) -> AsyncIterator[Delta | RequestOutput]:
+        """``async for`` over the raw deltas (text with token ids), then the RequestOutput;
+        leaving early or cancelling aborts the request (the server's way in)."""
         try:
             while True:
                 event = await self._aget()
                 if isinstance(event, Delta):
-                    yield event.text
+                    yield event
                     continue
                 yield _output_or_raise(event)
                 return

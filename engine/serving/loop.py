@@ -21,10 +21,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.model.runner import ModelRunner
+from engine.model.sampler import TokenLogprob
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.errors import EngineDeadError
 from engine.serving.handle import Delta, Done, Event, Failed, RequestHandle
@@ -47,6 +48,18 @@ class Job:
     detokenizer: IncrementalDetokenizer
     handle: RequestHandle
     stream: bool  # deliver text deltas, not only the final output
+    # Log-probabilities of every generated token (requests that asked), and when each came.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    # Tokens generated since the last delta (their text may still be held back).
+    unsent: int = 0
+
+    def delta(self, text: str) -> Delta:
+        """A delta with ``text`` and the tokens (and log-probabilities) not yet sent."""
+        n, self.unsent = self.unsent, 0
+        ids = self.request.output[len(self.request.output) - n :]
+        lps = self.logprobs[len(self.logprobs) - n :] if self.logprobs else []
+        return Delta(text, tuple(ids), tuple(lps))
 
 
 class EngineLoop:
@@ -105,6 +118,13 @@ class EngineLoop:
         with self._lock:
             self._raise_if_stopped()
         return reached
+
+    def num_waiting(self) -> int:
+        """Requests queued and not running: submitted but not yet taken in by the loop, plus
+        those the scheduler holds waiting (as of its latest step)."""
+        with self._lock:
+            inbox = sum(1 for kind, _ in self._inbox if kind == "add")
+        return inbox + self._stats.requests_waiting
 
     @property
     def alive(self) -> bool:
@@ -214,7 +234,7 @@ class EngineLoop:
     def _step(self, batch: Batch) -> None:
         assert self._runner is not None
         try:
-            next_tokens = self._runner.step(batch)
+            result = self._runner.step(batch)
         except Exception as exc:
             self._step_failures += 1
             if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -226,13 +246,19 @@ class EngineLoop:
                     self._fail(job, exc)
             return
         self._step_failures = 0
+        next_tokens = result.tokens
+        now = time.monotonic()
         # Text first: the detokeniser reports stop strings, which commit() then decides on.
         sampled: list[tuple[Job, str]] = []
         stop_strings: set[Request] = set()
-        for entry, token in zip(batch.entries, next_tokens):
+        for entry, token, logprob in zip(batch.entries, next_tokens, result.logprobs):
             job = self._live.get(entry.request.id)
             if not entry.sample or job is None:
                 continue
+            job.token_times.append(now)
+            job.unsent += 1
+            if logprob is not None:
+                job.logprobs.append(logprob)
             try:
                 delta = "" if job.request.is_stop_token(token) else job.detokenizer.push(token)
             except Exception as exc:
@@ -247,7 +273,7 @@ class EngineLoop:
                 if job.request.is_done:
                     delta += job.detokenizer.finish()
                 if delta and job.stream:
-                    self._outbox.append((job, Delta(delta)))
+                    self._outbox.append((job, job.delta(delta)))
                 if job.request.is_done:
                     self._complete(job)
             except Exception as exc:
@@ -260,6 +286,8 @@ class EngineLoop:
         now = time.monotonic()
         first = request.first_token_time
         end = request.finish_time if request.finish_time is not None else now
+        admitted = request.admitted_time
+        times = job.token_times
         output = RequestOutput(
             text=job.detokenizer.text,
             token_ids=list(request.output),
@@ -268,6 +296,9 @@ class EngineLoop:
             cached_tokens=request.cached_tokens,
             ttft_s=None if first is None else first - request.arrival_time,
             latency_s=end - request.arrival_time,
+            queue_s=None if admitted is None else admitted - request.arrival_time,
+            itl_s=[b - a for a, b in zip(times, times[1:])],
+            logprobs=job.logprobs if request.params.logprobs is not None else None,
         )
         self._outbox.append((job, Done(output)))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.model.sampler import TokenLogprob
+
 
 class RequestOutput(msgspec.Struct, frozen=True):
     """The result of one request.
@@ -11,7 +13,10 @@ class RequestOutput(msgspec.Struct, frozen=True):
     ``token_ids`` holds the generated tokens only (a stop token that ended the request is
     included; its text is not). ``text`` is their text, cut before the first stop string.
     ``cached_tokens`` counts the prompt tokens served from the prefix cache when the request
-    was first admitted. ``ttft_s`` is None when no token was generated (aborted early).
+    was first admitted. ``ttft_s`` is None when no token was generated (aborted early);
+    ``queue_s`` (arrival to first admission) is None when it never ran. ``itl_s`` holds the
+    gaps between successive generated tokens. ``logprobs``: one per generated token when the
+    request's params asked for them (``SamplingParams.logprobs``), else None.
     """
 
     text: str
@@ -21,3 +26,6 @@ class RequestOutput(msgspec.Struct, frozen=True):
     cached_tokens: int
     ttft_s: float | None
     latency_s: float
+    queue_s: float | None = None
+    itl_s: list[float] = []
+    logprobs: list[TokenLogprob] | None = None

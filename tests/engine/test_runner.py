@@ -57,7 +57,7 @@ def run_to_completion(
     entries = [make_entry(r, r.prompt, 0, t, PAGE) for r, t in zip(requests, tables)]
     live = list(range(len(requests)))
     while live:
-        tokens = runner.step(Batch(entries, PAGE))
+        tokens = runner.step(Batch(entries, PAGE)).tokens
         still = []
         for i, tok in zip(live, tokens):
             r = requests[i]
@@ -127,7 +127,7 @@ def test_entries_that_do_not_sample_get_minus_one(loaded_fp32: Any, make_entry: 
         ],
         PAGE,
     )
-    tokens = runner.step(batch)
+    tokens = runner.step(batch).tokens
     assert tokens[0] == -1 and 0 <= tokens[1] < loaded_fp32.config.vocab_size
 
 

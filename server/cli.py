@@ -1,0 +1,163 @@
+"""``radixkv serve``: the OpenAI-compatible server under uvicorn (and the other commands).
+
+Shutdown on SIGTERM or SIGINT: uvicorn stops accepting connections and lets the requests in
+flight finish for ``--grace-period`` seconds; what is still running then is cancelled, which
+aborts its engine requests (pages freed); the engine is closed and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.serving import cli as engine_cli
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        parents=[engine_cli.engine_options()],
+        help="serve the OpenAI API (/v1/chat/completions, /v1/completions, ...) over HTTP",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("RADIXKV_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $RADIXKV_API_KEY)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name(s) in the API (default: the checkpoint's name)",
+    )
+    serve.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        metavar="N",
+        help="answer 503 + Retry-After while N requests already wait (default: no limit)",
+    )
+    serve.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, let requests in flight finish for S seconds (default 30)",
+    )
+    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
+    serve.add_argument(
+        "--max-running", type=int, default=None, help="requests running at once (default: auto)"
+    )
+    serve.add_argument(
+        "--max-batch-tokens", type=int, default=None, help="tokens per step (default: auto)"
+    )
+    serve.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for prefill (default: all cores)"
+    )
+    serve.add_argument(
+        "--no-prefix-cache", action="store_true", help="reuse nothing across requests (baseline)"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
+
+
+def model_name(model: str | None) -> str:
+    """The API's default name for ``--model``: the checkpoint's file or directory name."""
+    if model is None:
+        return BUNDLED_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine import Engine
+    from server.app import ServerConfig, create_app
+
+    for flag, value, low in (
+        ("--max-queued", args.max_queued, 1),
+        ("--port", args.port, 0),
+    ):
+        if value is not None and value < low:
+            print(f"radixkv: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
+            return 2
+    if args.grace_period < 0:
+        print("radixkv: error: --grace-period must be >= 0", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    print("radixkv: loading model ...", file=sys.stderr, flush=True)
+    try:
+        engine = Engine(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            max_running=args.max_running,
+            max_batch_tokens=args.max_batch_tokens,
+            threads=args.threads,
+            prefix_cache=not args.no_prefix_cache,
+        )
+    except ValueError as exc:
+        print(f"radixkv: error: {exc}", file=sys.stderr)
+        return 2
+    names = args.served_model_name or [model_name(args.model)]
+    config = ServerConfig(
+        model_name=names[0],
+        extra_model_names=names[1:],
+        api_key=args.api_key,
+        max_queued=args.max_queued,
+    )
+    app = create_app(engine, config)
+    print(
+        f"radixkv: {names[0]} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
+        f"KV cache {engine.num_pages} pages x {engine.page_size} tokens, loaded in "
+        f"{time.perf_counter() - started:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.grace_period,
+            access_log=args.log_level == "debug",
+        )
+    )
+    # uvicorn re-raises the signal that stopped it once it is done, under the handlers that
+    # were there before: ours, which let the process end normally (exit 0) after the drain.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        engine.close()
+    print("radixkv: stopped", file=sys.stderr, flush=True)
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = engine_cli.build_parser(add_serve).parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return engine_cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

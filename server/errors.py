@@ -1,0 +1,82 @@
+"""Errors as OpenAI's API returns them: ``{"error": {"message", "type", "param", "code"}}``.
+
+Clients (the ``openai`` package, LangChain, curl scripts) branch on the status and read the
+message, so every failure the server knows of becomes one of these, never a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from starlette.responses import JSONResponse
+
+# "max_tokens: must be ..." -> param "max_tokens"; "messages[2].content: ..." -> that path.
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+@dataclass
+class APIError(Exception):
+    """A request the server refuses, with the HTTP status and OpenAI's error fields."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, dict[str, str | int | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 for bad input; ``param`` defaults to the field the message starts with."""
+    if param is None:
+        found = _FIELD.match(message)
+        param = found.group(1) if found else None
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(message: str, code: str = "not_found", param: str | None = None) -> APIError:
+    return APIError(404, message, type="not_found_error", param=param, code=code)
+
+
+def unauthorized() -> APIError:
+    return APIError(
+        401,
+        "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+        type="authentication_error",
+        code="invalid_api_key",
+    )
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+    return APIError(
+        503,
+        message,
+        type="service_unavailable_error",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def engine_dead(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable_error", code="engine_dead")
+
+
+def internal(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")

@@ -1,0 +1,189 @@
+"""Prometheus metrics, named in vLLM's style so existing dashboards port.
+
+The engine's counters (prefix-cache queries and hits, tokens, preemptions, evicted pages) and
+gauges (requests, pages) are read from ``Engine.stats()`` at scrape time, so they are exactly
+the engine's own figures: a prompt's tokens and its cached part are counted once, when the
+request is first admitted, however often it waited or was preempted and recomputed.
+Per-request figures (latency histograms, finish reasons, rejections) are observed by the
+server as requests end. Each app has its own registry: nothing global, two apps in one
+process do not mix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine import Engine, RequestOutput
+
+PREFIX = "radixkv:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class EngineCollector(Collector):
+    """The engine's counters and gauges, read at scrape time."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self._engine = engine
+        self._labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._engine.stats()
+        counters = (
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prompt_tokens,
+            ),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.cached_tokens),
+            ("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens),
+            (
+                "prefill_computed_tokens",
+                "Prefill tokens computed, recomputation after preemption included.",
+                s.computed_prefill_tokens,
+            ),
+            ("generation_tokens", "Tokens generated.", s.generated_tokens),
+            (
+                "num_preemptions",
+                "Requests preempted (their KV freed, to be recomputed).",
+                s.preemptions,
+            ),
+            ("evicted_pages", "KV pages evicted from the prefix cache.", s.evicted_pages),
+            ("request_failures", "Requests that failed with an error.", s.failed),
+        )
+        for name, doc, value in counters:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+            family.add_metric(list(self._labels.values()), value)
+            yield family
+        gauges = (
+            (
+                "num_requests_running",
+                "Requests running (admitted, holding KV).",
+                s.requests_running,
+            ),
+            ("num_requests_waiting", "Requests waiting to be admitted.", s.requests_waiting),
+            ("kv_pages_total", "KV pages in the pool.", s.pages_total),
+            ("kv_pages_free", "KV pages on the free list.", s.pages_free),
+            ("kv_pages_cached", "KV pages held by the prefix cache.", s.pages_cached),
+            ("kv_pages_in_use", "KV pages private to running requests.", s.pages_in_use),
+            (
+                "kv_cache_usage_perc",
+                "Share of KV pages not free (0-1).",
+                1 - s.pages_free / s.pages_total if s.pages_total else 0.0,
+            ),
+            ("engine_alive", "1 while the engine loop runs.", int(self._engine.alive)),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+            family.add_metric(list(self._labels.values()), value)
+            yield family
+
+
+class ServerMetrics:
+    """The app's registry: the engine's figures plus what the server observes per request."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self._model = model_name
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first generated token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Gap between successive generated tokens.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to the request's end.", _LATENCY_BUCKETS
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds", "Arrival to first admission.", _LATENCY_BUCKETS
+        )
+        self.finished = Counter(
+            PREFIX + "request_success",
+            "Requests ended, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            PREFIX + "request_rejected",
+            "Requests refused before they ran, by reason.",
+            [*labels, "reason"],
+            registry=self.registry,
+        )
+
+    def observe(self, output: RequestOutput) -> None:
+        """One engine request ended (each of a request's n choices counts)."""
+        m = self._model
+        self.finished.labels(m, output.finish_reason).inc()
+        self.e2e.labels(m).observe(output.latency_s)
+        if output.ttft_s is not None:
+            self.ttft.labels(m).observe(output.ttft_s)
+        if output.queue_s is not None:
+            self.queue.labels(m).observe(output.queue_s)
+        itl = self.itl.labels(m)
+        for gap in output.itl_s:
+            itl.observe(gap)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self._model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

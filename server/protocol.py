@@ -1,0 +1,277 @@
+"""The request bodies of the OpenAI API, decoded and checked, and turned into engine inputs.
+
+Bodies are decoded with msgspec into typed records: a wrong type is refused with the path of
+the field (``$.messages[0].content``), and fields the server does not know are ignored, as
+OpenAI's API does. What the types cannot say (ranges, combinations, features the engine does
+not have) is checked here, naming the field as the client spelled it; everything else is the
+engine's own validation (``SamplingParams``, ``Engine.encode``), whose messages name fields by
+the same names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from scheduler import SamplingParams
+from scheduler.params import MAX_LOGPROBS
+from server.errors import APIError, invalid
+
+# Choices one request may ask for (each is a request in the engine; they share the prompt).
+MAX_N = 16
+# Roles a conversation may hold; "developer" is OpenAI's newer name for "system".
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+# msgspec's messages: "Expected `int`, got `str` - at `$.max_tokens`".
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`")
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share (OpenAI's, then vLLM's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    return_token_ids: bool = False
+    # The tenant: requests with different salts never share a cached page.
+    cache_salt: str | None = None
+
+
+class ChatRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: Any
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: Any = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """The JSON body as ``kind``; a 400 naming the field on a wrong type or a bad document."""
+    if not body.strip():
+        raise invalid("the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        found = _AT.search(text)
+        path = found.group(1) if found else None
+        missing = _MISSING.match(text)
+        if missing:  # the field that is missing, not the object that lacks it
+            path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+        return _raise(invalid(f"{path or 'body'}: {text}", param=path))
+    except msgspec.DecodeError as exc:
+        return _raise(invalid(f"the request body is not valid JSON: {exc}"))
+
+
+def _raise(error: APIError) -> Any:
+    raise error
+
+
+# ------------------------------------------------------------------------------ conversations
+
+
+def conversation(messages: list[ChatMessage], field: str = "messages") -> list[dict[str, str]]:
+    """OpenAI messages -> the engine's ``[{"role", "content"}]`` (text parts joined)."""
+    if not messages:
+        raise invalid(f"{field}: empty list; expected at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"{field}[{i}]"
+        role = ROLES.get(message.role)
+        if role is None:
+            raise invalid(
+                f"{where}.role: {message.role!r} is not supported; expected one of "
+                f"{sorted(ROLES)} (this server has no tool calling)"
+            )
+        out.append({"role": role, "content": _content_text(message, role, where)})
+    return out
+
+
+def _content_text(message: ChatMessage, role: str, where: str) -> str:
+    content = message.content
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise invalid(f"{where}.content: missing; a {role} message needs content")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise invalid(
+                f"{where}.content[{j}].type: {kind!r} is not supported; this model reads "
+                "text parts only"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.content[{j}].text: expected a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token(t) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+            return list(prompt)
+    if isinstance(prompt, list) and not prompt:
+        raise invalid("prompt: empty list; expected at least one prompt")
+    raise invalid(
+        "prompt: expected a string, a list of strings, a list of token ids or a list of "
+        f"token-id lists, got {type(prompt).__name__}"
+    )
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --------------------------------------------------------------------------------- sampling
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    """Refuse what the engine cannot do rather than silently ignore it."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value not in (None, 0, 0.0):
+            raise invalid(f"{name}: not supported by this server (only 0), got {value!r}")
+    if req.repetition_penalty not in (None, 1, 1.0):
+        raise invalid(
+            f"repetition_penalty: not supported by this server (only 1), got "
+            f"{req.repetition_penalty!r}"
+        )
+    if req.logit_bias:
+        raise invalid("logit_bias: not supported by this server")
+    if not 1 <= req.n <= MAX_N:
+        raise invalid(f"n: must be an integer in [1, {MAX_N}], got {req.n!r}")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options: only allowed with stream=true")
+
+
+def check_chat_only(req: ChatRequest) -> None:
+    if req.tools:
+        raise invalid("tools: not supported by this server (no tool calling)")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise invalid(
+            f"response_format: type {req.response_format.get('type')!r} is not supported "
+            "(only 'text')"
+        )
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise invalid(
+                f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs!r}"
+            )
+        if not req.logprobs:
+            raise invalid("top_logprobs: needs logprobs=true")
+
+
+def check_completion_only(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise invalid("suffix: not supported by this server")
+    if req.best_of not in (None, req.n):
+        raise invalid(
+            f"best_of: only best_of == n is supported (no server-side ranking), got "
+            f"best_of={req.best_of!r}, n={req.n!r}"
+        )
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
+    if req.echo and req.logprobs is not None:
+        raise invalid("echo: not supported together with logprobs")
+
+
+def check_token_ids(ids: list[int] | None, vocab_size: int) -> None:
+    for token in ids or []:
+        if not 0 <= token < vocab_size:
+            raise invalid(f"stop_token_ids: {token} is not a token id in [0, {vocab_size})")
+
+
+def requested_max_tokens(req: SamplingFields, field: str, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise invalid(f"{field}: must be an integer >= 1, got {value!r}")
+    return value
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, choice: int
+) -> SamplingParams:
+    """The engine's params for choice ``choice`` of ``req`` (a seed advances per choice, so
+    n seeded choices differ from each other and repeat across identical requests)."""
+    seed = None if req.seed is None else (req.seed + choice) % (1 << 63)
+    if req.seed is not None and req.seed < 0:
+        raise invalid(f"seed: must be an integer >= 0, got {req.seed!r}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    top_k = req.top_k if req.top_k is not None else 0
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise invalid(str(exc)) from None

@@ -1,0 +1,147 @@
+"""Bad input over HTTP: every case of the matrix gets a 4xx with OpenAI's error JSON naming
+the field, never a traceback, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def post(url: str, body: dict[str, Any]) -> httpx.Response:
+    """The body as JSON bytes (json.dumps escapes non-ASCII, as many clients do)."""
+    content = json.dumps(body).encode()
+    return httpx.post(
+        url, content=content, headers={"content-type": "application/json"}, timeout=30
+    )
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": MESSAGES, "max_tokens": 2, **fields}
+
+
+# (route, body, status, the param the error names)
+MATRIX = [
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {}, 400, "messages"),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content[0].type",
+    ),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+    (CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    (CHAT, chat(max_tokens="ten"), 400, "max_tokens"),
+    (CHAT, chat(max_completion_tokens=-3), 400, "max_completion_tokens"),
+    (CHAT, chat(max_tokens=10_000), 400, "messages"),
+    (CHAT, chat(temperature=-0.5), 400, "temperature"),
+    (CHAT, chat(temperature="hot"), 400, "temperature"),
+    (CHAT, chat(top_p=0), 400, "top_p"),
+    (CHAT, chat(top_p=1.5), 400, "top_p"),
+    (CHAT, chat(top_k=-2), 400, "top_k"),
+    (CHAT, chat(min_p=2), 400, "min_p"),
+    (CHAT, chat(seed=-1), 400, "seed"),
+    (CHAT, chat(n=0), 400, "n"),
+    (CHAT, chat(n=1000), 400, "n"),
+    (CHAT, chat(stop=[""]), 400, "stop"),
+    (CHAT, chat(stop=5), 400, "stop"),
+    (CHAT, chat(stop_token_ids=[10**9]), 400, "stop_token_ids"),
+    (CHAT, chat(ignore_eos="yes"), 400, "ignore_eos"),
+    (CHAT, chat(stream="yes"), 400, "stream"),
+    (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    (CHAT, chat(presence_penalty=1.0), 400, "presence_penalty"),
+    (CHAT, chat(frequency_penalty=0.5), 400, "frequency_penalty"),
+    (CHAT, chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    (CHAT, chat(cache_salt="x" * 300), 400, "namespace"),
+    (CHAT, chat(cache_salt=7), 400, "cache_salt"),
+    (CHAT, chat(model="gpt-4o"), 404, "model"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [-1, 5]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    (COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": 9000}, 400, "prompt[0]"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/tokenize", {}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param"), MATRIX)
+def test_bad_input_gets_openai_error_json(
+    server_url: str, route: str, body: dict, status: int, param: str
+) -> None:
+    reply = post(server_url + route, body)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] is not None and error["param"].startswith(param), error
+    assert "Traceback" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"not json",
+        b"[1, 2]",
+        b'{"messages": [',
+        b"\xff\xfe",
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    ],
+)
+def test_unparseable_bodies_get_400(server_url: str, raw: bytes) -> None:
+    reply = httpx.post(server_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_routes_and_methods_get_json_errors(server_url: str) -> None:
+    missing = httpx.post(server_url + "/v1/embeddings", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "route_not_found"
+    wrong = httpx.get(server_url + CHAT)
+    assert wrong.status_code == 405 and "error" in wrong.json()
+    model = httpx.get(server_url + "/v1/models/nope")
+    assert model.status_code == 404 and model.json()["error"]["code"] == "model_not_found"
+
+
+def test_unknown_fields_are_ignored_as_openai_does(server_url: str) -> None:
+    reply = httpx.post(
+        server_url + CHAT,
+        json=chat(
+            temperature=0,
+            user="u1",
+            parallel_tool_calls=True,
+            metadata={"a": "b"},
+            some_future_field=[1, 2],
+        ),
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_server_keeps_serving_after_the_error_matrix(server_url: str) -> None:
+    for route, body, _, _ in MATRIX:
+        post(server_url + route, body)
+    assert httpx.get(server_url + "/health").status_code == 200
+    reply = httpx.post(server_url + CHAT, json=chat(temperature=0), timeout=60)
+    assert reply.status_code == 200
+    assert reply.json()["usage"]["completion_tokens"] >= 1

@@ -1,0 +1,185 @@
+"""What happens around requests: clients that leave, a full queue, the API key, shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_process import ServerProcess
+
+CHAT = "/v1/chat/completions"
+
+
+def long_chat(max_tokens: int = 2000, stream: bool = False) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def content(line: str) -> str:
+    """The text a chat SSE line carries ("" for other lines)."""
+    if not line.startswith("data: {"):
+        return ""
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return choices[0].get("delta", {}).get("content") or ""
+
+
+def gauge(url: str, name: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
+
+
+def wait_until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def idle(url: str) -> bool:
+    return (
+        gauge(url, "radixkv:kv_pages_in_use") == 0
+        and gauge(url, "radixkv:num_requests_running") == 0
+        and gauge(url, "radixkv:num_requests_waiting") == 0
+    )
+
+
+def test_streaming_client_that_disconnects_frees_its_pages_at_once(server_url: str) -> None:
+    aborted = _aborted(server_url)
+    with httpx.Client(base_url=server_url, timeout=60) as client:
+        with client.stream("POST", CHAT, json=long_chat(stream=True)) as reply:
+            lines = reply.iter_lines()
+            for line in lines:  # wait for real tokens, then leave mid-stream
+                if content(line):
+                    break
+            assert gauge(server_url, "radixkv:kv_pages_in_use") > 0
+    # 2000 tokens would take minutes; the abort takes a step.
+    assert wait_until(lambda: idle(server_url), 10), "pages still in use after disconnect"
+    assert _aborted(server_url) == aborted + 1
+
+
+def test_non_streaming_client_that_disconnects_frees_its_pages_at_once(server_url: str) -> None:
+    aborted = _aborted(server_url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server_url + CHAT, json=long_chat(), timeout=httpx.Timeout(60, read=1.5))
+    assert wait_until(lambda: idle(server_url), 10), "pages still in use after disconnect"
+    assert _aborted(server_url) == aborted + 1
+    ok = httpx.post(server_url + CHAT, json=long_chat(max_tokens=2), timeout=60)
+    assert ok.status_code == 200
+
+
+def _aborted(url: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if (
+                sample.name == "radixkv:request_success_total"
+                and sample.labels.get("finished_reason") == "abort"
+            ):
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Any:
+    """A second server: an API key, one running request, one waiting, a short grace period.
+    The last test here stops it with SIGTERM."""
+    proc = ServerProcess(
+        "--num-pages",
+        "256",
+        "--api-key",
+        "sekret",
+        "--max-running",
+        "1",
+        "--max-queued",
+        "1",
+        "--grace-period",
+        "20",
+    )
+    yield proc
+    proc.stop()
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def test_api_key_is_required_on_v1_routes(guarded: ServerProcess) -> None:
+    url = guarded.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        reply = httpx.get(url + "/v1/models", headers=headers)
+        assert reply.status_code == 401
+        assert reply.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200  # probes need no key
+
+
+def test_full_queue_answers_503_with_retry_after(guarded: ServerProcess) -> None:
+    url = guarded.url
+    replies: list[httpx.Response] = []
+
+    def send() -> None:
+        replies.append(
+            httpx.post(url + CHAT, json=long_chat(max_tokens=24), headers=AUTH, timeout=120)
+        )
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in replies)
+    assert 200 in codes and 503 in codes, codes
+    for reply in replies:
+        if reply.status_code == 503:
+            assert reply.headers["retry-after"] == "1"
+            assert reply.json()["error"]["code"] == "queue_full"
+        else:
+            assert reply.json()["usage"]["completion_tokens"] == 24
+    assert "radixkv:request_rejected_total" in httpx.get(url + "/metrics").text
+    assert wait_until(lambda: idle(url), 10)
+
+
+def test_sigterm_stops_accepting_lets_the_stream_in_flight_finish_and_exits_0(
+    guarded: ServerProcess,
+) -> None:
+    url = guarded.url
+    received: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream(
+            "POST",
+            url + CHAT,
+            json=long_chat(max_tokens=40, stream=True),
+            headers=AUTH,
+            timeout=120,
+        ) as reply:
+            received.extend(line for line in reply.iter_lines() if line)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert wait_until(lambda: any(content(line) for line in received), 60)
+    guarded.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.ConnectError):  # no longer accepting
+        httpx.get(url + "/health", timeout=2)
+    reader.join(60)
+    assert guarded.process.wait(60) == 0
+    finals = [line for line in received if '"finish_reason":"length"' in line]
+    assert finals, received[-3:]  # the stream ran to its end: 40 tokens, not aborted
+    assert received[-1] == "data: [DONE]"

@@ -11,7 +11,7 @@ import random
 import msgspec
 import pytest
 
-from workloads import serve_bench
+from workloads import serve_bench, serve_compare
 from workloads.generators import generate
 from workloads.serve_driver import (
     DONE,
@@ -285,3 +285,11 @@ def test_against_radixkv_serve(server_url, tmp_path):
     assert len(decoded["rates"][1]["records"][0]["requests"]) == 4
     [png] = (tmp_path / "plots").iterdir()
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # The side-by-side report reads the same file (twice: two passes of one server).
+    table = serve_compare.main(
+        [str(out), str(out), "--baseline", "radixkv", "--plot", str(tmp_path / "cmp")]
+    )
+    assert "### chat, at most 2 in flight" in table
+    rows = [line for line in table.splitlines() if "| radixkv |" in line]
+    assert len(rows) == 2 and all("| 2 |" in r and r.endswith("| 1.00x | 1.00x |") for r in rows)
+    assert (tmp_path / "cmp" / "serve-chat.png").read_bytes()[:4] == b"\x89PNG"

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,6 +32,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from engine import Engine, RequestOutput
+from engine.model.sampler import TokenLogprob
 from engine.serving.errors import EngineDeadError
 from engine.serving.handle import Delta, RequestHandle
 from scheduler import SamplingParams
@@ -47,13 +48,7 @@ from server.errors import (
 )
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatRequest, CompletionRequest
-from server.responses import (
-    FINISH_REASONS,
-    chat_logprobs,
-    completion_logprobs,
-    sse,
-    usage_of,
-)
+from server.responses import chat_logprobs, completion_logprobs, sse, usage_of
 from server.tokens import TokenTexts
 
 log = logging.getLogger("radixkv.server")
@@ -71,8 +66,12 @@ class ServerConfig:
     # Requests waiting for admission beyond which new ones get 503 + Retry-After (None: no
     # limit, as vLLM).
     max_queued: int | None = None
-    close_engine_on_shutdown: bool = False
     extra_model_names: list[str] = field(default_factory=list)
+
+
+# envelope(usage=NO_USAGE) leaves the key out (chunks of a stream without include_usage).
+NO_USAGE = object()
+RequestT = TypeVar("RequestT", ChatRequest, CompletionRequest)
 
 
 @dataclass
@@ -82,6 +81,22 @@ class Choice:
     index: int
     prompt: int
     handle: RequestHandle
+
+
+@dataclass
+class Update:
+    """New text and tokens of one choice of a stream; ``output`` is set on its last update."""
+
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    output: RequestOutput | None = None
+
+
+def _by_prompt(outputs: list[RequestOutput], n: int) -> list[list[RequestOutput]]:
+    """Outputs in choice order, grouped by prompt (choice p * n + j is prompt p's j-th)."""
+    return [outputs[i : i + n] for i in range(0, len(outputs), n)]
 
 
 class EventStreamResponse(StreamingResponse):
@@ -233,11 +248,10 @@ class OpenAIServer:
             with contextlib.suppress(BaseException):
                 self.metrics.observe(await choice.handle.aresult())
 
-    async def merged_events(
-        self, choices: list[Choice]
-    ) -> AsyncIterator[tuple[Choice, Delta | RequestOutput]]:
-        """Every choice's deltas and output, interleaved as they come; leaving early (a
-        disconnect cancels the stream) aborts every choice."""
+    async def updates(self, choices: list[Choice]) -> AsyncIterator[Update]:
+        """Every choice's new text and tokens as they come, interleaved; a choice's last update
+        carries its finish reason, the tokens no delta carried (a stop token) and its output.
+        Leaving early (a disconnect cancels the stream) aborts every choice."""
         queue: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue()
 
         async def pump(choice: Choice) -> None:
@@ -248,16 +262,21 @@ class OpenAIServer:
                 queue.put_nowait((choice, exc))
 
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        sent = {c.index: 0 for c in choices}  # tokens streamed per choice
         ended: set[int] = set()
         try:
             while len(ended) < len(choices):
                 choice, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if isinstance(item, RequestOutput):
-                    ended.add(choice.index)
-                    self.metrics.observe(item)
-                yield choice, item
+                if isinstance(item, Delta):
+                    sent[choice.index] += len(item.token_ids)
+                    yield Update(choice, item.text, list(item.token_ids), list(item.logprobs))
+                    continue
+                ended.add(choice.index)
+                self.metrics.observe(item)
+                tail = sent[choice.index]
+                yield Update(choice, "", item.token_ids[tail:], (item.logprobs or [])[tail:], item)
         finally:
             for task in tasks:
                 task.cancel()
@@ -267,26 +286,44 @@ class OpenAIServer:
             if rest:
                 self._in_background(self._observe_aborted(rest))
 
+    def parse(self, request: Request, body: bytes, kind: type[RequestT]) -> RequestT:
+        """Auth, the body as ``kind``, and the checks both generation endpoints share."""
+        self.check_auth(request)
+        req = protocol.decode_body(body, kind)
+        self.check_model(req.model)
+        protocol.check_unsupported(req)
+        protocol.check_token_ids(req.stop_token_ids, self.engine.model_config.vocab_size)
+        return req
+
+    def envelope(
+        self, rid: str, obj: str, created: int, items: list[dict[str, Any]], usage: Any
+    ) -> dict[str, Any]:
+        """A response or stream chunk around its choices; ``usage`` NO_USAGE leaves it out."""
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": self.config.model_name,
+            "choices": items,
+        }
+        if usage is not NO_USAGE:
+            body["usage"] = usage
+        return body
+
     # ------------------------------------------------------------------------ endpoints
 
     async def chat_completions(self, request: Request) -> Response:
-        self.check_auth(request)
-        req: ChatRequest = protocol.decode_body(await request.body(), ChatRequest)
-        self.check_model(req.model)
-        protocol.check_unsupported(req)
+        req = self.parse(request, await request.body(), ChatRequest)
         protocol.check_chat_only(req)
-        messages = protocol.conversation(req.messages)
-        ids = self.engine.encode(messages, field="messages")
-        asked = protocol.requested_max_tokens(
-            req, "max_completion_tokens", req.max_completion_tokens
+        ids = self.engine.encode(protocol.conversation(req.messages), field="messages")
+        if req.max_completion_tokens is not None:
+            name, asked = "max_completion_tokens", req.max_completion_tokens
+        else:
+            name, asked = "max_tokens", req.max_tokens
+        budget = self.max_tokens(
+            protocol.requested_max_tokens(name, asked), name, len(ids), "messages"
         )
-        name = "max_completion_tokens"
-        if asked is None:
-            asked = protocol.requested_max_tokens(req, "max_tokens", req.max_tokens)
-            name = "max_tokens"
-        budget = self.max_tokens(asked, name, len(ids), "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        protocol.check_token_ids(req.stop_token_ids, self.engine.model_config.vocab_size)
         params = [protocol.sampling_params(req, budget, top, j) for j in range(req.n)]
         choices = self.submit([ids], params, req.cache_salt, req.stream)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -295,27 +332,41 @@ class OpenAIServer:
         outputs = await self.wait(request, choices)
         if outputs is None:
             return Response(status_code=499)  # nobody is there to read it
-        body = {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.config.model_name,
-            "choices": [self._chat_choice(req, c, o) for c, o in zip(choices, outputs)],
-            "usage": usage_of([outputs]),
-        }
+        items = [
+            self._chat_item(
+                req,
+                c,
+                {"role": "assistant", "content": o.text},
+                o.token_ids,
+                o.logprobs or [],
+                o.finish_reason,
+                key="message",
+            )
+            for c, o in zip(choices, outputs)
+        ]
+        body = self.envelope(rid, "chat.completion", int(time.time()), items, usage_of([outputs]))
         if req.return_token_ids:
             body["prompt_token_ids"] = ids
         return JSONResponse(body)
 
-    def _chat_choice(self, req: ChatRequest, choice: Choice, out: RequestOutput) -> dict:
+    def _chat_item(
+        self,
+        req: ChatRequest,
+        choice: Choice,
+        message: dict[str, str],
+        ids: list[int],
+        lps: list[TokenLogprob],
+        reason: str | None,
+        key: str = "delta",
+    ) -> dict[str, Any]:
         item: dict[str, Any] = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(out.logprobs or [], self.texts) if req.logprobs else None,
-            "finish_reason": FINISH_REASONS[out.finish_reason],
+            key: message,
+            "logprobs": chat_logprobs(lps, self.texts) if req.logprobs else None,
+            "finish_reason": reason,
         }
         if req.return_token_ids:
-            item["token_ids"] = out.token_ids
+            item["token_ids"] = ids
         return item
 
     async def _chat_stream(
@@ -323,132 +374,90 @@ class OpenAIServer:
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
+        per_chunk = None if with_usage else NO_USAGE  # OpenAI: "usage": null on every chunk
 
-        def chunk(choice_items: list[dict[str, Any]]) -> bytes:
-            body: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.config.model_name,
-                "choices": choice_items,
-            }
-            if with_usage:
-                body["usage"] = None
-            return sse(body)
+        def chunk(item: dict[str, Any]) -> bytes:
+            return sse(self.envelope(rid, "chat.completion.chunk", created, [item], per_chunk))
 
-        def item(choice: Choice, delta: dict, ids: list[int], lps: list, reason: str | None):
-            entry: dict[str, Any] = {
-                "index": choice.index,
-                "delta": delta,
-                "logprobs": chat_logprobs(lps, self.texts) if req.logprobs else None,
-                "finish_reason": reason,
-            }
-            if req.return_token_ids:
-                entry["token_ids"] = ids
-            return entry
-
-        sent = {c.index: 0 for c in choices}
         outputs: list[RequestOutput] = []
         try:
             for choice in choices:
-                yield chunk([item(choice, {"role": "assistant", "content": ""}, [], [], None)])
-            async for choice, event in self.merged_events(choices):
-                if isinstance(event, Delta):
-                    sent[choice.index] += len(event.token_ids)
-                    yield chunk(
-                        [
-                            item(
-                                choice,
-                                {"content": event.text},
-                                list(event.token_ids),
-                                list(event.logprobs),
-                                None,
-                            )
-                        ]
-                    )
-                    continue
-                outputs.append(event)
-                tail = sent[choice.index]
-                yield chunk(
-                    [
-                        item(
-                            choice,
-                            {},
-                            event.token_ids[tail:],
-                            (event.logprobs or [])[tail:],
-                            FINISH_REASONS[event.finish_reason],
-                        )
-                    ]
-                )
+                role = {"role": "assistant", "content": ""}
+                yield chunk(self._chat_item(req, choice, role, [], [], None))
+            async for u in self.updates(choices):
+                delta = {"content": u.text} if u.output is None else {}
+                reason = None if u.output is None else u.output.finish_reason
+                yield chunk(self._chat_item(req, u.choice, delta, u.token_ids, u.logprobs, reason))
+                if u.output is not None:
+                    outputs.append(u.output)
             if with_usage:
-                yield sse(
-                    {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": self.config.model_name,
-                        "choices": [],
-                        "usage": usage_of([outputs]),
-                    }
-                )
+                usage = usage_of([outputs])
+                yield sse(self.envelope(rid, "chat.completion.chunk", created, [], usage))
         except Exception as exc:  # in-band: the status line is long gone
             yield sse(_as_api_error(exc).body())
         yield sse("[DONE]")
 
     async def completions(self, request: Request) -> Response:
-        self.check_auth(request)
-        req: CompletionRequest = protocol.decode_body(await request.body(), CompletionRequest)
-        self.check_model(req.model)
-        protocol.check_unsupported(req)
+        req = self.parse(request, await request.body(), CompletionRequest)
         protocol.check_completion_only(req)
         prompts = protocol.completion_prompts(req.prompt)
-        many = len(prompts) > 1
-        token_ids = []
-        for i, prompt in enumerate(prompts):
-            token_ids.append(self.engine.encode(prompt, field=f"prompt[{i}]" if many else "prompt"))
-        asked = protocol.requested_max_tokens(req, "max_tokens", req.max_tokens)
+        fields = [f"prompt[{i}]" if len(prompts) > 1 else "prompt" for i in range(len(prompts))]
+        token_ids = [self.engine.encode(p, field=f) for p, f in zip(prompts, fields)]
+        asked = protocol.requested_max_tokens("max_tokens", req.max_tokens)
         if asked is None:
             asked = COMPLETIONS_DEFAULT_MAX_TOKENS
         budget = min(
-            self.max_tokens(asked, "max_tokens", len(ids), f"prompt[{i}]" if many else "prompt")
-            for i, ids in enumerate(token_ids)
+            self.max_tokens(asked, "max_tokens", len(ids), field)
+            for ids, field in zip(token_ids, fields)
         )
-        protocol.check_token_ids(req.stop_token_ids, self.engine.model_config.vocab_size)
         params = [protocol.sampling_params(req, budget, req.logprobs, j) for j in range(req.n)]
         echo = [self._echo_text(p, ids) if req.echo else "" for p, ids in zip(prompts, token_ids)]
         choices = self.submit(token_ids, params, req.cache_salt, req.stream)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return EventStreamResponse(
-                self._completion_stream(rid, req, choices, echo, token_ids)
-            )
+            return EventStreamResponse(self._completion_stream(rid, req, choices, echo, token_ids))
         outputs = await self.wait(request, choices)
         if outputs is None:
             return Response(status_code=499)
         items = []
         for choice, out in zip(choices, outputs):
-            entry: dict[str, Any] = {
-                "index": choice.index,
-                "text": echo[choice.prompt] + out.text,
-                "logprobs": None,
-                "finish_reason": FINISH_REASONS[out.finish_reason],
-            }
-            if req.logprobs is not None:
-                entry["logprobs"] = completion_logprobs(out.logprobs or [], self.texts, 0)[0]
+            item = self._completion_item(
+                req,
+                choice,
+                echo[choice.prompt] + out.text,
+                out.token_ids,
+                out.logprobs or [],
+                0,
+                out.finish_reason,
+            )[0]
             if req.return_token_ids:
-                entry["token_ids"] = out.token_ids
-                entry["prompt_token_ids"] = token_ids[choice.prompt]
-            items.append(entry)
-        by_prompt = [outputs[p * req.n : (p + 1) * req.n] for p in range(len(prompts))]
-        body = {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.config.model_name,
-            "choices": items,
-            "usage": usage_of(by_prompt),
+                item["prompt_token_ids"] = token_ids[choice.prompt]
+            items.append(item)
+        usage = usage_of(_by_prompt(outputs, req.n))
+        return JSONResponse(self.envelope(rid, "text_completion", int(time.time()), items, usage))
+
+    def _completion_item(
+        self,
+        req: CompletionRequest,
+        choice: Choice,
+        text: str,
+        ids: list[int],
+        lps: list[TokenLogprob],
+        offset: int,
+        reason: str | None,
+    ) -> tuple[dict[str, Any], int]:
+        """A completion choice, and the text offset after its tokens (a stream goes on there)."""
+        item: dict[str, Any] = {
+            "index": choice.index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": reason,
         }
-        return JSONResponse(body)
+        if req.logprobs is not None:
+            item["logprobs"], offset = completion_logprobs(lps, self.texts, offset)
+        if req.return_token_ids:
+            item["token_ids"] = ids
+        return item, offset
 
     def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
@@ -463,72 +472,32 @@ class OpenAIServer:
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
+        per_chunk = None if with_usage else NO_USAGE
+        offsets = {c.index: 0 for c in choices}
+        started: set[int] = set()
 
         def chunk(choice: Choice, text: str, ids: list[int], lps: list, reason: str | None):
-            entry: dict[str, Any] = {
-                "index": choice.index,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-            if req.logprobs is not None:
-                body, offsets[choice.index] = completion_logprobs(
-                    lps, self.texts, offsets[choice.index]
-                )
-                entry["logprobs"] = body
-            if req.return_token_ids:
-                entry["token_ids"] = ids
-                if choice.index not in started:
-                    entry["prompt_token_ids"] = prompt_ids[choice.prompt]
+            item, offsets[choice.index] = self._completion_item(
+                req, choice, text, ids, lps, offsets[choice.index], reason
+            )
+            if req.return_token_ids and choice.index not in started:
+                item["prompt_token_ids"] = prompt_ids[choice.prompt]
             started.add(choice.index)
-            body_: dict[str, Any] = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.config.model_name,
-                "choices": [entry],
-            }
-            if with_usage:
-                body_["usage"] = None
-            return sse(body_)
+            return sse(self.envelope(rid, "text_completion", created, [item], per_chunk))
 
-        offsets = {c.index: 0 for c in choices}
-        sent = {c.index: 0 for c in choices}
-        started: set[int] = set()
         outputs: dict[int, RequestOutput] = {}
         try:
             if req.echo:
                 for choice in choices:
                     yield chunk(choice, echo[choice.prompt], [], [], None)
-            async for choice, event in self.merged_events(choices):
-                if isinstance(event, Delta):
-                    sent[choice.index] += len(event.token_ids)
-                    yield chunk(
-                        choice, event.text, list(event.token_ids), list(event.logprobs), None
-                    )
-                    continue
-                outputs[choice.index] = event
-                tail = sent[choice.index]
-                yield chunk(
-                    choice,
-                    "",
-                    event.token_ids[tail:],
-                    (event.logprobs or [])[tail:],
-                    FINISH_REASONS[event.finish_reason],
-                )
+            async for u in self.updates(choices):
+                reason = None if u.output is None else u.output.finish_reason
+                yield chunk(u.choice, u.text, u.token_ids, u.logprobs, reason)
+                if u.output is not None:
+                    outputs[u.choice.index] = u.output
             if with_usage:
-                ordered = [outputs[c.index] for c in choices]
-                by_prompt = [ordered[p * req.n : (p + 1) * req.n] for p in range(len(prompt_ids))]
-                yield sse(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.config.model_name,
-                        "choices": [],
-                        "usage": usage_of(by_prompt),
-                    }
-                )
+                usage = usage_of(_by_prompt([outputs[c.index] for c in choices], req.n))
+                yield sse(self.envelope(rid, "text_completion", created, [], usage))
         except Exception as exc:
             yield sse(_as_api_error(exc).body())
         yield sse("[DONE]")
@@ -615,7 +584,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         error = not_found(f"{request.url.path}: no such route", code="route_not_found")
     else:
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-        error.type = "invalid_request_error"
     return error.response()
 
 
@@ -627,12 +595,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> Starlette:
     """The OpenAI-compatible ASGI app over ``engine`` (serve it with uvicorn, or mount it)."""
     config = config or ServerConfig()
     server = OpenAIServer(engine, config)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        if config.close_engine_on_shutdown:
-            await asyncio.to_thread(engine.close)
 
     routes = [
         Route("/v1/chat/completions", _endpoint(server.chat_completions), methods=["POST"]),
@@ -647,7 +609,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> Starlette:
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error, Exception: _unhandled},
-        lifespan=lifespan,
     )
     app.state.server = server
     return app

@@ -22,53 +22,16 @@ from engine import Engine, RequestOutput
 PREFIX = "radixkv:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+# fmt: off
 _LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )
 _ITL_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
+# fmt: on
 
 
 class EngineCollector(Collector):
@@ -102,10 +65,6 @@ class EngineCollector(Collector):
             ("evicted_pages", "KV pages evicted from the prefix cache.", s.evicted_pages),
             ("request_failures", "Requests that failed with an error.", s.failed),
         )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-            family.add_metric(list(self._labels.values()), value)
-            yield family
         gauges = (
             (
                 "num_requests_running",
@@ -124,10 +83,11 @@ class EngineCollector(Collector):
             ),
             ("engine_alive", "1 while the engine loop runs.", int(self._engine.alive)),
         )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-            family.add_metric(list(self._labels.values()), value)
-            yield family
+        for kind, rows in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
+            for name, doc, value in rows:
+                family = kind(PREFIX + name, doc, labels=list(self._labels))
+                family.add_metric(list(self._labels.values()), value)
+                yield family
 
 
 class ServerMetrics:

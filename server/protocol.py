@@ -89,7 +89,6 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: Any = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -244,7 +243,7 @@ def check_token_ids(ids: list[int] | None, vocab_size: int) -> None:
             raise invalid(f"stop_token_ids: {token} is not a token id in [0, {vocab_size})")
 
 
-def requested_max_tokens(req: SamplingFields, field: str, value: int | None) -> int | None:
+def requested_max_tokens(field: str, value: int | None) -> int | None:
     if value is not None and value < 1:
         raise invalid(f"{field}: must be an integer >= 1, got {value!r}")
     return value
@@ -255,9 +254,9 @@ def sampling_params(
 ) -> SamplingParams:
     """The engine's params for choice ``choice`` of ``req`` (a seed advances per choice, so
     n seeded choices differ from each other and repeat across identical requests)."""
-    seed = None if req.seed is None else (req.seed + choice) % (1 << 63)
-    if req.seed is not None and req.seed < 0:
+    if req.seed is not None and req.seed < 0:  # before seed + choice wraps it positive
         raise invalid(f"seed: must be an integer >= 0, got {req.seed!r}")
+    seed = None if req.seed is None else (req.seed + choice) % (1 << 63)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = req.top_k if req.top_k is not None else 0
     try:

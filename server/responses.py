@@ -13,7 +13,6 @@ from server.tokens import TokenTexts
 
 # JSON has no -inf: a token the model gives no chance at all gets this floor.
 LOGPROB_FLOOR = -9999.0
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def sse(data: Any) -> bytes:

@@ -22,7 +22,16 @@ from __future__ import annotations
 from radix.allocator import PageAllocator
 from radix.cache import RadixCache
 from radix.hashing import page_hashes
-from radix.manager import CacheHandle, KVEvent, KVManager, PagesEvicted, PagesStored, PageStats
+from radix.manager import (
+    CacheHandle,
+    KVEvent,
+    KVManager,
+    PagesEvicted,
+    PagesStored,
+    PageStats,
+    TieredMatch,
+    TierLoad,
+)
 from radix.node import Node, PrefixInsert, PrefixMatch
 
 __all__ = [
@@ -37,5 +46,7 @@ __all__ = [
     "PrefixInsert",
     "PrefixMatch",
     "RadixCache",
+    "TierLoad",
+    "TieredMatch",
     "page_hashes",
 ]

@@ -9,6 +9,7 @@ from sortedcontainers import SortedDict
 
 from radix.hashing import namespace_seed
 from radix.node import Node, PrefixInsert, PrefixMatch
+from radix.tiers.record import EvictedPage
 from radix.tokens import TOKEN_BYTES, TOKEN_DTYPE, encode_tokens
 
 
@@ -353,12 +354,13 @@ class RadixCache:
 
     # ----------------------------------------------------------------- eviction
 
-    def evict(self, num_pages: int) -> list[int]:
+    def evict(self, num_pages: int, described: list[EvictedPage] | None = None) -> list[int]:
         """Free up to ``num_pages`` pages, least recently used unlocked leaves first.
 
         A leaf holding more pages than still needed loses only its tail pages. Returns the
         freed page ids, in no particular order (fewer than asked only when nothing else is
-        evictable); the list is the caller's.
+        evictable); the list is the caller's. ``described``, when given, receives each freed
+        page with its content address and tokens (what a KV tier below needs to keep it).
         """
         if not isinstance(num_pages, int) or num_pages < 0:
             raise ValueError(f"num_pages: must be an int >= 0, got {num_pages!r}")
@@ -371,6 +373,8 @@ class RadixCache:
             self._eviction_steps += 1
             pages = leaf.pages
             size = len(pages)
+            if described is not None:
+                self._describe(leaf, max(0, size - need), described)
             if size <= need:
                 lru.popitem(0)
                 leaf.in_lru = False
@@ -409,6 +413,26 @@ class RadixCache:
         self._evictable -= len(freed)
         self._evicted_pages += len(freed)
         return freed
+
+    def _describe(self, leaf: Node, first: int, out: list[EvictedPage]) -> None:
+        """Append ``leaf``'s pages from index ``first`` on, with their hashes and tokens."""
+        hashes = leaf.page_hashes
+        key, page_bytes = leaf.key, self._page_bytes
+        for i in range(first, len(leaf.pages)):
+            out.append(
+                EvictedPage(leaf.pages[i], hashes[i], key[i * page_bytes : (i + 1) * page_bytes])
+            )
+
+    def walk_pages(self) -> list[EvictedPage]:
+        """Every cached page with its content address and tokens (walks the whole tree)."""
+        out: list[EvictedPage] = []
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                self._describe(node, 0, out)
+                stack.extend(node.children.values())
+        return out
 
     # ----------------------------------------------------------------- checks
 

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 from radix.allocator import PageAllocator
 from radix.cache import RadixCache
+from radix.hashing import namespace_seed, page_hashes
 from radix.node import Node, PrefixMatch
+from radix.tiers import EvictedPage, KVTiers, Tier, TierHit, TierStats
+from radix.tokens import TOKEN_BYTES, encode_tokens
 
 
 @dataclass(eq=False, slots=True)
@@ -58,6 +61,35 @@ KVEvent = PagesStored | PagesEvicted
 
 
 @dataclass(frozen=True, slots=True)
+class TieredMatch:
+    """Where a prompt's cached prefix lives: ``pool`` tokens in the KV pool, then ``host``
+    and ``disk`` tokens below it that a load would bring back (read-only: nothing moved)."""
+
+    pool: int
+    host: int
+    disk: int
+
+    @property
+    def total(self) -> int:
+        return self.pool + self.host + self.disk
+
+
+@dataclass(frozen=True, slots=True)
+class TierLoad:
+    """Tokens a ``KVManager.load`` brought into the pool, by the tier they came from."""
+
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.host + self.disk
+
+
+NO_LOAD = TierLoad()
+
+
+@dataclass(frozen=True, slots=True)
 class PageStats:
     """Where the pages are now: ``free + cached + private == total`` always; at idle
     ``private == 0``. ``evicted`` only grows."""
@@ -77,11 +109,20 @@ class KVManager:
     page a request had goes back to the free list when it ends (the benchmarks' baseline).
     """
 
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        prefix_cache: bool = True,
+        tiers: KVTiers | None = None,
+    ) -> None:
+        if tiers is not None and not prefix_cache:
+            raise ValueError("tiers: KV tiers need prefix_cache=True (nothing would be cached)")
         self._tree = RadixCache(page_size)
         self._allocator = PageAllocator(num_pages)
         self._page_size = page_size
         self._prefix_cache = prefix_cache
+        self._tiers = tiers
         self._listeners: list[Callable[[KVEvent], None]] = []
         self._evicted = 0
 
@@ -118,6 +159,14 @@ class KVManager:
     def allocator(self) -> PageAllocator:
         """The free list, for reading; change it only through here."""
         return self._allocator
+
+    @property
+    def tiers(self) -> KVTiers | None:
+        """The host/disk tiers under the pool (None: an evicted page is gone)."""
+        return self._tiers
+
+    def tier_stats(self) -> TierStats | None:
+        return None if self._tiers is None else self._tiers.stats()
 
     def stats(self) -> PageStats:
         free = self._allocator.num_free
@@ -159,7 +208,12 @@ class KVManager:
         if short > 0:
             if short > self._tree.evictable_pages:
                 return False
-            freed = self._tree.evict(short)
+            if self._tiers is None:
+                freed = self._tree.evict(short)
+            else:
+                described: list[EvictedPage] = []
+                freed = self._tree.evict(short, described)
+                self._tiers.write_back(described)  # before any freed id is reused
             allocator.free(freed)
             self._evicted += len(freed)
             self._announce(PagesEvicted(freed))
@@ -203,6 +257,67 @@ class KVManager:
                 )
             )
         return handle
+
+    def lookup(self, tokens: Sequence[int], namespace: str | None = None) -> TieredMatch:
+        """How many leading whole pages of ``tokens`` are in the pool, and how many follow
+        them below it (host, then disk, in prompt order; only those worth loading)."""
+        pool = self._tree.match_length(tokens, namespace)
+        if self._tiers is None:
+            return TieredMatch(pool, 0, 0)
+        host = disk = 0
+        for hit in self._below(tokens, namespace, pool):
+            if hit.tier is Tier.HOST:
+                host += self._page_size
+            else:
+                disk += self._page_size
+        return TieredMatch(pool, host, disk)
+
+    def load(self, handle: CacheHandle, tokens: Sequence[int]) -> TierLoad:
+        """Extend a fresh handle's cached prefix with the pages of ``tokens`` found below the
+        pool: fresh pool pages (evicting if need be), the KV copied in, the pages into the
+        tree and the handle's lock moved down. Call it before the request computes anything
+        (the handle holds no private pages yet)."""
+        tiers, p = self._tiers, self._page_size
+        if tiers is None or len(handle.pages) * p != handle.cached_len:
+            return NO_LOAD
+        start = handle.cached_len
+        hits = self._below(tokens, handle.namespace, start, handle.node.hash)
+        if not hits:
+            return NO_LOAD
+        records = tiers.fetch(hits)
+        if not records or not self.allocate(handle, start + len(records) * p):
+            return NO_LOAD
+        end = start + len(records) * p
+        tiers.install(handle.pages[start // p :], records, hits)
+        self.cache(handle, tokens[:end])
+        host = p * sum(1 for hit in hits[: len(records)] if hit.tier is Tier.HOST)
+        return TierLoad(host=host, disk=end - start - host)
+
+    def _below(
+        self, tokens: Sequence[int], namespace: str | None, start: int, seed: int | None = None
+    ) -> list[TierHit]:
+        assert self._tiers is not None
+        p = self._page_size
+        end = len(tokens) - len(tokens) % p
+        if start >= end:
+            return []
+        if seed is None:  # read-only: the chain of the pool's part, not a tree walk
+            chain = page_hashes(tokens[:start], p, namespace)
+            seed = chain[-1] if chain else namespace_seed(namespace)
+        return self._tiers.lookup(seed, encode_tokens(tokens[start:end]), p * TOKEN_BYTES)
+
+    def observe_compute(self, tokens: int, seconds: float) -> None:
+        """A forward pass computed ``tokens`` tokens in ``seconds`` (what a load must beat)."""
+        if self._tiers is not None:
+            self._tiers.observe_compute(tokens, seconds)
+
+    def close(self) -> None:
+        """Write what the pool and host memory hold to the disk tier (a restarted engine
+        finds it there) and stop its writer. Call when nothing runs any more."""
+        if self._tiers is None:
+            return
+        self._tiers.persist(self._tree.walk_pages())
+        self._tiers.close()
 
     def release(self, handle: CacheHandle, tokens: Sequence[int] | None = None) -> None:
         """End ``handle``: cache the whole pages of ``tokens`` first (when given), free the
@@ -248,6 +363,8 @@ class KVManager:
         )
         if not live:
             assert tree.protected_pages == 0, "idle with locked pages"
+        if self._tiers is not None:
+            self._tiers.check()
 
     def _announce(self, event: KVEvent) -> None:
         for listener in self._listeners:

@@ -10,7 +10,8 @@ class SchedulerCounters:
     """Totals since the scheduler started; every field only grows.
 
     ``prompt_tokens`` and ``cached_tokens`` are counted when a request is first admitted
-    (``cached_tokens`` = its prompt tokens served from the tree then), so
+    (``cached_tokens`` = its prompt tokens served from the cache then: the pool's tree, or
+    loaded back from host memory or disk, counted apart in ``cached_tokens_host/_disk``), so
     ``cached_tokens / prompt_tokens`` is the hit rate of the admitted requests.
     ``computed_prefill_tokens`` counts every prefill token computed, recomputation after
     preemption included.
@@ -19,6 +20,9 @@ class SchedulerCounters:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Of cached_tokens, those loaded back from the KV tiers below the pool.
+    cached_tokens_host: int = 0
+    cached_tokens_disk: int = 0
     computed_prefill_tokens: int = 0
     generated_tokens: int = 0
     evicted_pages: int = 0

@@ -332,6 +332,9 @@ class Scheduler:
         if committed + need > self._kv.available:
             self._kv.release(kv)
             return None
+        # Pages below the pool come back now, before the request computes anything: a load
+        # takes the pool pages its recomputation would have (admission counted them).
+        loaded = self._kv.load(kv, tokens[:cap])
         request.state = RequestState.RUNNING
         request.kv = kv
         request.num_computed = kv.cached_len
@@ -340,8 +343,11 @@ class Scheduler:
             request.admitted = True
             request.admitted_time = time.monotonic()
             request.cached_tokens = kv.cached_len
-            self._counters.prompt_tokens += len(request.prompt)
-            self._counters.cached_tokens += kv.cached_len
+            counters = self._counters
+            counters.prompt_tokens += len(request.prompt)
+            counters.cached_tokens += kv.cached_len
+            counters.cached_tokens_host += loaded.host
+            counters.cached_tokens_disk += loaded.disk
         remaining = len(tokens) - kv.cached_len
         self._plan_tokens(plan, request, min(remaining, plan.budget))
         if request.state is not RequestState.RUNNING:

@@ -102,10 +102,7 @@ def serve(args: argparse.Namespace) -> int:
     print("radixkv: loading model ...", file=sys.stderr, flush=True)
     try:
         engine = Engine(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            num_pages=args.num_pages,
+            **engine_cli.engine_kwargs(args),
             page_size=args.page_size,
             max_running=args.max_running,
             max_batch_tokens=args.max_batch_tokens,

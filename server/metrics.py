@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import Engine, RequestOutput
+from engine import Engine, EngineStats, RequestOutput
 
 PREFIX = "radixkv:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -88,6 +88,47 @@ class EngineCollector(Collector):
                 family = kind(PREFIX + name, doc, labels=list(self._labels))
                 family.add_metric(list(self._labels.values()), value)
                 yield family
+        yield from self._tier_families(s)
+
+    def _tier_families(self, s: EngineStats) -> Iterator[Metric]:
+        """Hits by where they came from (SGLang's ``cached_tokens_total{cache_source}``) and
+        the KV tiers' traffic and contents, labelled by tier."""
+        names, values = list(self._labels), list(self._labels.values())
+        by_source = CounterMetricFamily(
+            PREFIX + "cached_tokens",
+            "Prompt tokens served from the cache, by where their KV was: pool, host, disk.",
+            labels=[*names, "cache_source"],
+        )
+        for source, count in (
+            ("pool", s.cached_tokens_pool),
+            ("host", s.cached_tokens_host),
+            ("disk", s.cached_tokens_disk),
+        ):
+            by_source.add_metric([*values, source], count)
+        yield by_source
+        per_tier = (
+            (CounterMetricFamily, "kv_tier_pages_written", "KV pages written down to a tier.",
+             s.kv_pages_written_host, s.kv_pages_written_disk),
+            (CounterMetricFamily, "kv_tier_pages_loaded", "KV pages loaded back from a tier.",
+             s.kv_pages_loaded_host, s.kv_pages_loaded_disk),
+            (GaugeMetricFamily, "kv_tier_pages", "KV pages a tier holds.",
+             s.kv_host_pages, s.kv_disk_pages),
+            (GaugeMetricFamily, "kv_tier_bytes", "Bytes of KV a tier holds.",
+             s.kv_host_bytes, s.kv_disk_bytes),
+        )
+        for kind, name, doc, host, disk in per_tier:
+            family = kind(PREFIX + name, doc, labels=[*names, "tier"])
+            family.add_metric([*values, "host"], host)
+            family.add_metric([*values, "disk"], disk)
+            yield family
+        for name, doc, value in (
+            ("kv_tier_pages_dropped", "KV pages that fell off the lowest tier.", s.kv_pages_dropped),
+            ("kv_disk_corrupt_files", "Damaged KV page files found (read as misses).",
+             s.kv_disk_corrupt),
+        ):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family
 
 
 class ServerMetrics:

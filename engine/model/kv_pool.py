@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -94,3 +96,44 @@ class KVPool:
         """Store new K/V ``[T, num_kv_heads, head_dim]`` at int64 ``slots`` ``[T]``."""
         self.k_flat(layer).index_copy_(0, slots, k.to(self.dtype))
         self.v_flat(layer).index_copy_(0, slots, v.to(self.dtype))
+
+    # ------------------------------------------------------------------ pages as bytes
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page's K and V over all layers (a tier record's data)."""
+        return self.bytes_per_page(
+            self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]:
+        """Each page's K and V of every layer as one bytes object (layer-major: K0 V0 K1 ...),
+        bit for bit, on the host."""
+        if not pages:
+            return []
+        index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        parts = []
+        for layer in range(self.num_layers):
+            parts.append(self.k_cache[layer].index_select(0, index))
+            parts.append(self.v_cache[layer].index_select(0, index))
+        block = torch.stack(parts, dim=1).cpu()  # [n, 2 * layers, page, heads, dim]
+        raw = block.reshape(len(pages), -1).view(torch.uint8).numpy()
+        return [row.tobytes() for row in raw]
+
+    def write_pages(self, pages: Sequence[int], data: Sequence[bytes]) -> None:
+        """Store ``read_pages`` bytes into ``pages`` (the inverse of ``read_pages``)."""
+        if len(pages) != len(data):
+            raise ValueError(f"data: expected {len(pages)} pages' bytes, got {len(data)}")
+        if not pages:
+            return
+        size = self.page_nbytes
+        for i, blob in enumerate(data):
+            if len(blob) != size:
+                raise ValueError(f"data[{i}]: expected {size} bytes, got {len(blob)}")
+        buf = bytearray(b"".join(data))
+        shape = (len(pages), 2 * self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+        block = torch.frombuffer(buf, dtype=self.dtype).view(shape).to(self.device)
+        index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        for layer in range(self.num_layers):
+            self.k_cache[layer].index_copy_(0, index, block[:, 2 * layer])
+            self.v_cache[layer].index_copy_(0, index, block[:, 2 * layer + 1])

@@ -38,7 +38,48 @@ def engine_options() -> argparse.ArgumentParser:
         help="float32, bfloat16 or float16 (slow on a CPU); default: measured on this machine",
     )
     options.add_argument("--num-pages", type=int, default=None, help="KV cache size in pages")
+    options.add_argument(
+        "--kv-host-bytes", type=byte_size, default=None, metavar="SIZE",
+        help="host-memory tier under the KV pool, e.g. 2G (default: off)",
+    )
+    options.add_argument(
+        "--kv-disk-dir", default=None, metavar="DIR",
+        help="disk tier under the KV pool (kept across restarts; default: off)",
+    )
+    options.add_argument(
+        "--kv-disk-bytes", type=byte_size, default=None, metavar="SIZE",
+        help="disk tier budget, e.g. 20G (default: half the free space, at most 16G)",
+    )
     return options
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The Engine arguments of ``engine_options``."""
+    return {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "num_pages": args.num_pages,
+        "kv_host_bytes": args.kv_host_bytes,
+        "kv_disk_dir": args.kv_disk_dir,
+        "kv_disk_bytes": args.kv_disk_bytes,
+    }
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """``123``, ``512M``, ``2G``, ``1.5GiB`` -> bytes (powers of 1024)."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in _UNITS and value[-1:] else ""
+    try:
+        number = float(value[: len(value) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (must be >= 0)")
+    return int(number * _UNITS[unit])
 
 
 def sampling_options() -> argparse.ArgumentParser:
@@ -119,9 +160,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print("radixkv: loading model ...", file=sys.stderr, flush=True)
     try:
-        engine = Engine(
-            model=args.model, device=args.device, dtype=args.dtype, num_pages=args.num_pages
-        )
+        engine = Engine(**engine_kwargs(args))
     except ValueError as exc:
         print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from engine.model.threads import ThreadPolicy
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.errors import EngineDeadError
 from engine.serving.handle import RequestHandle, TextStream, outputs_or_raise
+from engine.serving.kv_tiers import build_tiers, check_tier_args
 from engine.serving.loop import EngineLoop, Job
 from engine.serving.outputs import RequestOutput
 from engine.serving.prompts import encode_prompt, encode_text, split_prompts
@@ -54,6 +55,11 @@ class Engine:
     then shared, not copied (``device``/``dtype`` are the loaded model's). The KV cache holds
     ``num_pages`` pages of ``page_size`` tokens, or as many as fit in ``kv_cache_bytes``.
     ``prefix_cache=False`` reuses nothing across requests (the baseline for benchmarks).
+    Below the pool, evicted pages can go to host memory (``kv_host_bytes``) and to page files
+    in ``kv_disk_dir`` (within ``kv_disk_bytes``; default: half the free space, at most
+    16 GiB); a later prompt with their prefix loads them back instead of recomputing them,
+    and an engine started again on the same directory, model and dtype finds them there
+    (``close()`` writes the pool's pages down first). Off by default.
     On the CPU, prefill-sized passes run on ``threads`` intra-op threads (None: torch's
     default, the machine's cores) and decode steps on one, which is faster for their many
     small ops; the engine sets torch's thread count from its loop thread for each pass.
@@ -81,11 +87,15 @@ class Engine:
         backend: str = "auto",
         threads: int | None = None,
         batch_invariant: bool = True,
+        kv_host_bytes: int | None = None,
+        kv_disk_dir: str | os.PathLike[str] | None = None,
+        kv_disk_bytes: int | None = None,
         **scheduler_options: Any,
     ) -> None:
         # Every argument is checked before the (slow) model load.
         _check_model_arg(model)
         _check_engine_args(page_size, num_pages, kv_cache_bytes, prefix_cache)
+        check_tier_args(kv_host_bytes, kv_disk_dir, kv_disk_bytes, prefix_cache)
         thread_policy = ThreadPolicy.default(threads)
         sched_config = _scheduler_config(
             page_size, policy, max_batch_tokens, max_running,
@@ -101,12 +111,13 @@ class Engine:
         self._prefix_cache = prefix_cache
         pages = _pool_pages(loaded, page_size, num_pages, kv_cache_bytes)
         _check_pool_fits(loaded, page_size, pages, "num_pages" if num_pages else "kv_cache_bytes")
-        kv = KVManager(pages, page_size, prefix_cache)
         cfg = loaded.config
         pool = KVPool(
-            cfg.num_layers, kv.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim,
             loaded.dtype, loaded.device,
         )
+        tiers = build_tiers(loaded, pool, kv_host_bytes, kv_disk_dir, kv_disk_bytes)
+        kv = KVManager(pages, page_size, prefix_cache, tiers)
         row_padding, attention_padding = _row_paddings(loaded, batch_invariant)
         runner = ModelRunner(
             loaded,

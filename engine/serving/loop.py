@@ -34,6 +34,8 @@ from engine.serving.stats import EngineStats, snapshot
 from scheduler import Batch, Request, RequestState, Scheduler
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Passes with fewer tokens are decode-bound and would overstate what a page's prefill costs.
+PREFILL_SPEED_MIN_TOKENS = 64
 
 
 class RequestNotAdmittedError(RuntimeError):
@@ -137,8 +139,11 @@ class EngineLoop:
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self._runner = None  # drops the model runner and its KV pool
+            if not self._thread.is_alive() and self._runner is not None:
+                try:
+                    self._scheduler.kv.close()  # the pool's pages to the disk tier, if any
+                finally:
+                    self._runner = None  # drops the model runner and its KV pool
 
     def _raise_if_stopped(self) -> None:
         if self._dead is not None:
@@ -234,7 +239,9 @@ class EngineLoop:
     def _step(self, batch: Batch) -> None:
         assert self._runner is not None
         try:
+            started = time.perf_counter()
             result = self._runner.step(batch)
+            self._observe_speed(batch, time.perf_counter() - started)
         except Exception as exc:
             self._step_failures += 1
             if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -278,6 +285,12 @@ class EngineLoop:
                     self._complete(job)
             except Exception as exc:
                 self._fail(job, exc)
+
+    def _observe_speed(self, batch: Batch, seconds: float) -> None:
+        """Prefill-sized passes tell the KV tiers what recomputing a page costs."""
+        tokens = sum(len(entry.input_ids) for entry in batch.entries)
+        if tokens >= PREFILL_SPEED_MIN_TOKENS:
+            self._scheduler.kv.observe_compute(tokens, seconds)
 
     def _complete(self, job: Job) -> None:
         """Hands the caller its output (the request finished or was aborted)."""

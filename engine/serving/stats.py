@@ -15,6 +15,8 @@ COUNTER_NAMES = (
     "aborted",
     "prompt_tokens",
     "cached_tokens",
+    "cached_tokens_host",
+    "cached_tokens_disk",
     "computed_prefill_tokens",
     "generated_tokens",
     "evicted_pages",
@@ -28,7 +30,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     ``hit_rate`` = cached_tokens / prompt_tokens over the engine's life. Pages: ``pages_free``
     (on the free list) + ``pages_cached`` (held by the prefix tree, locked or not) +
     ``pages_in_use`` (private to running requests) == ``pages_total``. At idle
-    ``pages_in_use`` is 0.
+    ``pages_in_use`` is 0. ``cached_tokens`` counts prompt tokens served from the pool and
+    loaded back from host memory (``cached_tokens_host``) or disk (``cached_tokens_disk``).
     """
 
     requests: int
@@ -36,6 +39,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     aborted: int
     prompt_tokens: int
     cached_tokens: int
+    cached_tokens_host: int
+    cached_tokens_disk: int
     computed_prefill_tokens: int
     generated_tokens: int
     evicted_pages: int
@@ -48,6 +53,28 @@ class EngineStats(msgspec.Struct, frozen=True):
     pages_in_use: int
     requests_running: int
     requests_waiting: int
+    # KV tiers below the pool (all 0 without them): what each holds now, pages written down
+    # and loaded back, pages that fell off the bottom, damaged disk files found, loads
+    # refused as slower than recomputing, and the measured costs that decide (s per page).
+    kv_host_pages: int = 0
+    kv_host_bytes: int = 0
+    kv_disk_pages: int = 0
+    kv_disk_bytes: int = 0
+    kv_pages_written_host: int = 0
+    kv_pages_written_disk: int = 0
+    kv_pages_loaded_host: int = 0
+    kv_pages_loaded_disk: int = 0
+    kv_pages_dropped: int = 0
+    kv_disk_corrupt: int = 0
+    kv_loads_skipped_slow: int = 0
+    kv_load_s_per_page_host: float | None = None
+    kv_load_s_per_page_disk: float | None = None
+    kv_compute_s_per_page: float | None = None
+
+    @property
+    def cached_tokens_pool(self) -> int:
+        """Prompt tokens served from the pool's tree (the rest of cached_tokens was loaded)."""
+        return self.cached_tokens - self.cached_tokens_host - self.cached_tokens_disk
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -59,6 +86,23 @@ def snapshot(scheduler: Scheduler, failed: int) -> EngineStats:
     values = {name: int(getattr(counters, name)) for name in COUNTER_NAMES}
     pages = scheduler.kv.stats()
     prompt = values["prompt_tokens"]
+    tiers = scheduler.kv.tier_stats()
+    tier_values = {} if tiers is None else {
+        "kv_host_pages": tiers.host_pages,
+        "kv_host_bytes": tiers.host_bytes,
+        "kv_disk_pages": tiers.disk_pages,
+        "kv_disk_bytes": tiers.disk_bytes,
+        "kv_pages_written_host": tiers.written_host,
+        "kv_pages_written_disk": tiers.written_disk,
+        "kv_pages_loaded_host": tiers.loaded_host,
+        "kv_pages_loaded_disk": tiers.loaded_disk,
+        "kv_pages_dropped": tiers.dropped,
+        "kv_disk_corrupt": tiers.corrupt,
+        "kv_loads_skipped_slow": tiers.skipped_slow,
+        "kv_load_s_per_page_host": tiers.load_s_per_page_host,
+        "kv_load_s_per_page_disk": tiers.load_s_per_page_disk,
+        "kv_compute_s_per_page": tiers.compute_s_per_page,
+    }
     return EngineStats(
         **values,
         failed=failed,
@@ -69,4 +113,5 @@ def snapshot(scheduler: Scheduler, failed: int) -> EngineStats:
         pages_in_use=pages.private,
         requests_running=scheduler.num_running,
         requests_waiting=scheduler.num_waiting,
+        **tier_values,
     )

@@ -1,0 +1,117 @@
+"""The KV tiers under an engine's pool: what the knobs mean, and what keys the disk.
+
+``kv_host_bytes`` budgets a host-memory store, ``kv_disk_dir``/``kv_disk_bytes`` a directory
+of page files. The disk's files sit under a *store key* naming everything a page's KV depends
+on besides its tokens: the weights (a hash of every tensor), dtype, page size, KV layout, and
+on the CPU the machine (CPU model, flags, torch, cores: the kernels that computed the KV), so
+an engine only ever reads KV that it would itself have computed bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from engine.model.kv_pool import KVPool
+from engine.model.loader import LoadedModel
+from radix.tiers import DiskStore, HostStore, KVTiers
+
+# Without kv_disk_bytes: this much of the directory's free space at start, at most DISK_CAP.
+DISK_FREE_FRACTION = 0.5
+DISK_CAP_BYTES = 16 << 30
+STORE_FORMAT = 1
+
+
+def check_tier_args(
+    kv_host_bytes: Any, kv_disk_dir: Any, kv_disk_bytes: Any, prefix_cache: bool
+) -> None:
+    for name, value in (("kv_host_bytes", kv_host_bytes), ("kv_disk_bytes", kv_disk_bytes)):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise ValueError(f"{name}: must be an int >= 0 (bytes), got {value!r}")
+    if kv_disk_dir is not None and not isinstance(kv_disk_dir, (str, os.PathLike)):
+        raise ValueError(f"kv_disk_dir: must be a path, got {type(kv_disk_dir).__name__}")
+    if kv_disk_dir is not None and not str(kv_disk_dir):
+        raise ValueError("kv_disk_dir: must be a non-empty path")
+    if kv_disk_bytes is not None and kv_disk_dir is None:
+        raise ValueError("kv_disk_bytes: needs kv_disk_dir (where the pages go)")
+    wanted = bool(kv_host_bytes) or kv_disk_dir is not None
+    if wanted and not prefix_cache:
+        raise ValueError(
+            "kv_host_bytes, kv_disk_dir: KV tiers need prefix_cache=True (nothing is cached)"
+        )
+    if kv_disk_dir is not None and Path(kv_disk_dir).exists() and not Path(kv_disk_dir).is_dir():
+        raise ValueError(f"kv_disk_dir: {str(kv_disk_dir)!r} exists and is not a directory")
+
+
+def build_tiers(
+    loaded: LoadedModel,
+    pool: KVPool,
+    kv_host_bytes: int | None,
+    kv_disk_dir: str | os.PathLike[str] | None,
+    kv_disk_bytes: int | None,
+) -> KVTiers | None:
+    """The tiers the knobs ask for, or None (an evicted page is then recomputed)."""
+    host = HostStore(kv_host_bytes) if kv_host_bytes else None
+    disk = None
+    if kv_disk_dir is not None:
+        directory = Path(kv_disk_dir).expanduser()
+        directory.mkdir(parents=True, exist_ok=True)
+        if kv_disk_bytes is None:
+            free = shutil.disk_usage(directory).free
+            kv_disk_bytes = min(DISK_CAP_BYTES, int(free * DISK_FREE_FRACTION))
+        meta = store_meta(loaded, pool)
+        key = xxhash.xxh64(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+        disk = DiskStore(directory, kv_disk_bytes, key)
+        _write_meta(disk.directory / "store.json", meta)
+    if host is None and disk is None:
+        return None
+    return KVTiers(pool, pool.page_size, host, disk)
+
+
+def store_meta(loaded: LoadedModel, pool: KVPool) -> dict[str, Any]:
+    """What a page's KV depends on besides its tokens (the disk store's key is its hash)."""
+    machine = loaded.device.type
+    if loaded.device.type == "cpu":
+        from engine.model.probe import machine_key
+
+        machine = f"cpu-{machine_key()}"
+    elif loaded.device.type == "cuda":
+        machine = f"cuda-{torch.cuda.get_device_name(loaded.device)}-{torch.__version__}"
+    return {
+        "format": STORE_FORMAT,
+        "weights": weights_fingerprint(loaded.model),
+        "source": loaded.source.name,
+        "dtype": str(pool.dtype).removeprefix("torch."),
+        "page_size": pool.page_size,
+        "layers": pool.num_layers,
+        "kv_heads": pool.num_kv_heads,
+        "head_dim": pool.head_dim,
+        "machine": machine,
+    }
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """xxh3_128 over every parameter and buffer: names, dtypes, shapes and bytes."""
+    digest = xxhash.xxh3_128()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _write_meta(path: Path, meta: dict[str, Any]) -> None:
+    """A human-readable label of the store (read by nobody: the directory name is the key)."""
+    if path.exists():
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,23 @@
+"""KV tiers below the pool: a host-memory store and a crash-safe disk store of pages, keyed by
+the tree's xxhash chain (see hierarchy.py)."""
+
+from __future__ import annotations
+
+from radix.tiers.cost import LoadCost
+from radix.tiers.disk import DiskStore
+from radix.tiers.hierarchy import KVTiers, PageIO, TierStats
+from radix.tiers.host import HostStore
+from radix.tiers.record import EvictedPage, PageRecord, Tier, TierHit
+
+__all__ = [
+    "DiskStore",
+    "EvictedPage",
+    "HostStore",
+    "KVTiers",
+    "LoadCost",
+    "PageIO",
+    "PageRecord",
+    "Tier",
+    "TierHit",
+    "TierStats",
+]

@@ -1,0 +1,273 @@
+"""The disk tier: one file per page under a directory, crash-safe, content-addressed.
+
+A file is ``header | tokens | data | checksum``: the header holds a magic, the key and both
+lengths; the checksum is xxh3_64 over everything before it. A file is written under a
+temporary name, fsynced, renamed into place, and its directory fsynced, so a crash leaves
+either the old state or the whole new file; on read, a short, foreign or damaged file is a
+miss (and is deleted), never wrong KV. Files live in ``<directory>/<store_key>/<xx>/``, where
+the engine's ``store_key`` names the model, dtype and page layout: an engine never sees
+another model's pages, and a restarted engine finds its own (``scan`` at open).
+
+Writes (and deletions) run on one background thread, so eviction never waits for a disk.
+A record stays readable from memory until its file is in place. The index (key -> size, least
+recently used first) is owned by the caller's thread; the lock guards what the writer shares.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import xxhash
+
+from radix.tiers.record import PageRecord
+
+MAGIC = b"RKVPAGE1"
+_HEADER = struct.Struct("<8sQQI")  # magic, key, data bytes, token bytes
+_CHECKSUM = struct.Struct("<Q")
+SUFFIX = ".kv"
+
+
+def file_size(record: PageRecord) -> int:
+    return _HEADER.size + len(record.tokens) + len(record.data) + _CHECKSUM.size
+
+
+def encode_record(record: PageRecord) -> bytes:
+    body = (
+        _HEADER.pack(MAGIC, record.key, len(record.data), len(record.tokens))
+        + record.tokens
+        + record.data
+    )
+    return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_record(raw: bytes, key: int) -> PageRecord | None:
+    """The record in ``raw`` if it is whole, undamaged and holds ``key``; else None."""
+    if len(raw) < _HEADER.size + _CHECKSUM.size:
+        return None
+    magic, found, data_len, tokens_len = _HEADER.unpack_from(raw)
+    if magic != MAGIC or found != key:
+        return None
+    end = _HEADER.size + tokens_len + data_len
+    if len(raw) != end + _CHECKSUM.size:
+        return None
+    (checksum,) = _CHECKSUM.unpack_from(raw, end)
+    view = memoryview(raw)
+    if xxhash.xxh3_64_intdigest(view[:end]) != checksum:
+        return None
+    tokens = raw[_HEADER.size : _HEADER.size + tokens_len]
+    return PageRecord(key, tokens, raw[_HEADER.size + tokens_len : end])
+
+
+class DiskStore:
+    """Page records as files within ``budget_bytes``, least recently used deleted first."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], budget_bytes: int, store_key: str
+    ) -> None:
+        if not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes: must be an int >= 0, got {budget_bytes!r}")
+        if not store_key or not all(c.isalnum() or c in "-_." for c in store_key):
+            raise ValueError(f"store_key: must be a non-empty file name, got {store_key!r}")
+        self._root = Path(directory) / store_key
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._budget = budget_bytes
+        self._index: OrderedDict[int, int] = OrderedDict()  # key -> file size, LRU first
+        self._used = 0
+        self._lock = threading.Lock()
+        self._pending: dict[int, PageRecord] = {}  # written soon; readable from memory now
+        self._ops: queue.Queue[tuple[str, int, PageRecord | None] | None] = queue.Queue()
+        self.corrupt = 0  # files found damaged, truncated or foreign (and deleted)
+        self.evicted = 0  # records deleted to stay within the budget
+        self.write_errors = 0  # files the writer could not write (disk full, ...)
+        self._scan()
+        self._writer = threading.Thread(
+            target=self._write_loop, name="radixkv-kv-disk", daemon=True
+        )
+        self._writer.start()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def directory(self) -> Path:
+        return self._root
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[int]:
+        return list(self._index)
+
+    def path(self, key: int) -> Path:
+        return self._root / f"{key >> 56:02x}" / f"{key:016x}{SUFFIX}"
+
+    # ------------------------------------------------------------------ records
+
+    def touch(self, key: int) -> None:
+        if key in self._index:
+            self._index.move_to_end(key)
+
+    def put(self, record: PageRecord) -> bool:
+        """Keep ``record`` (written in the background); False when it cannot fit at all."""
+        key = record.key
+        if key in self._index:
+            self._index.move_to_end(key)
+            return True
+        size = file_size(record)
+        if size > self._budget:
+            return False
+        while self._used + size > self._budget:
+            self._drop(next(iter(self._index)))
+            self.evicted += 1
+        self._index[key] = size
+        self._used += size
+        with self._lock:
+            self._pending[key] = record
+        self._ops.put(("write", key, record))
+        return True
+
+    def get(self, key: int, tokens: bytes) -> PageRecord | None:
+        """The record of ``key`` holding ``tokens``; None when absent or unreadable (a bad
+        file is deleted and counted in ``corrupt``)."""
+        if key not in self._index:
+            return None
+        with self._lock:
+            record = self._pending.get(key)
+        if record is None:
+            try:
+                raw = self.path(key).read_bytes()
+            except OSError:
+                raw = b""
+            record = decode_record(raw, key)
+            if record is None:
+                self.corrupt += 1
+                self._drop(key)
+                return None
+        if record.tokens != tokens:
+            return None  # a 64-bit collision: another prefix's page
+        self._index.move_to_end(key)
+        return record
+
+    def remove(self, key: int) -> None:
+        if key in self._index:
+            self._drop(key)
+
+    def flush(self) -> None:
+        """Wait until every queued write and deletion is on disk."""
+        self._ops.join()
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread."""
+        if self._writer.is_alive():
+            self._ops.put(None)
+            self._writer.join()
+
+    def check(self) -> None:
+        used = sum(self._index.values())
+        assert used == self._used, f"disk: {self._used} bytes counted, {used} indexed"
+        assert self._used <= self._budget, f"disk: {self._used} bytes over {self._budget}"
+        with self._lock:
+            stray = set(self._pending) - set(self._index)
+        assert not stray, f"disk: {len(stray)} pending writes of keys no longer indexed"
+
+    # ------------------------------------------------------------------ internals
+
+    def _drop(self, key: int) -> None:
+        self._used -= self._index.pop(key)
+        with self._lock:
+            self._pending.pop(key, None)
+        self._ops.put(("delete", key, None))
+
+    def _scan(self) -> None:
+        """Index the files a previous engine left (oldest first); clear half-written ones."""
+        found: list[tuple[float, int, int]] = []
+        for sub in self._root.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                name = entry.name
+                if name.startswith(".") and name.endswith(".tmp"):
+                    _unlink(Path(entry.path))  # a write a crash interrupted
+                    continue
+                if not name.endswith(SUFFIX):
+                    continue
+                try:
+                    key = int(name[: -len(SUFFIX)], 16)
+                    stat = entry.stat()
+                except (ValueError, OSError):
+                    continue
+                found.append((stat.st_mtime, key, stat.st_size))
+        found.sort()
+        for _, key, size in found:
+            self._index[key] = size
+            self._used += size
+        while self._used > self._budget:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            _unlink(self.path(key))
+
+    def _write_loop(self) -> None:
+        while True:
+            op = self._ops.get()
+            try:
+                if op is None:
+                    return
+                kind, key, record = op
+                if kind == "delete":
+                    _unlink(self.path(key))
+                    continue
+                with self._lock:
+                    current = self._pending.get(key) is record
+                if not current:
+                    continue  # evicted (or replaced) before it was written
+                try:
+                    self._write_file(key, record)
+                except OSError:
+                    self.write_errors += 1
+                with self._lock:
+                    if self._pending.get(key) is record:
+                        del self._pending[key]
+            finally:
+                self._ops.task_done()
+
+    def _write_file(self, key: int, record: PageRecord | None) -> None:
+        assert record is not None
+        path = self.path(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(encode_record(record))
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

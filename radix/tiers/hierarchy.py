@@ -1,0 +1,246 @@
+"""KVTiers: the pages below the KV pool, in a host store and on disk, by content address.
+
+The tree maps prefixes onto pool pages; below it, pages are found by the xxhash chain the
+tree's nodes already carry, continued over a prompt's tokens past the tree's match. So a page
+evicted from the pool is written down (once: a page already below is only refreshed), found
+again by the next prompt that holds its prefix, and loaded back into a fresh pool page.
+
+- host and disk hold disjoint keys: the host store's least recently used records move to disk
+  (or are dropped without one); the disk deletes by its own LRU within its budget.
+- a load keeps the page below too (inclusive), so evicting it again copies nothing.
+- the engine moves the bytes (``PageIO``: read pool pages, write pool pages); nothing here
+  knows tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import xxhash
+
+from radix.tiers.cost import LoadCost
+from radix.tiers.disk import DiskStore
+from radix.tiers.host import HostStore
+from radix.tiers.record import EvictedPage, PageRecord, Tier, TierHit
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+class PageIO(Protocol):
+    """Copies KV between pool pages and bytes (the engine's KV pool implements it)."""
+
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]: ...
+
+    def write_pages(self, pages: Sequence[int], data: Sequence[bytes]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Tier contents now (pages, bytes, budgets) and monotone counters: pages written to
+    each tier, pages loaded back from each, pages that fell off the bottom (``dropped``),
+    disk files found damaged (``corrupt``), loads refused as slower than recomputing
+    (``skipped_slow``); and the measured costs that decide loads (seconds per page)."""
+
+    host_pages: int
+    host_bytes: int
+    host_budget_bytes: int
+    disk_pages: int
+    disk_bytes: int
+    disk_budget_bytes: int
+    written_host: int
+    written_disk: int
+    loaded_host: int
+    loaded_disk: int
+    dropped: int
+    corrupt: int
+    skipped_slow: int
+    load_s_per_page_host: float | None
+    load_s_per_page_disk: float | None
+    compute_s_per_page: float | None
+
+
+class KVTiers:
+    """The hierarchy under one pool: a host store, a disk store, or both (at least one)."""
+
+    def __init__(
+        self,
+        io: PageIO,
+        page_size: int,
+        host: HostStore | None = None,
+        disk: DiskStore | None = None,
+    ) -> None:
+        if host is None and disk is None:
+            raise ValueError("tiers: give a host store, a disk store or both")
+        self._io = io
+        self._host = host
+        self._disk = disk
+        self.cost = LoadCost(page_size)
+        self._written = {Tier.HOST: 0, Tier.DISK: 0}
+        self._loaded = {Tier.HOST: 0, Tier.DISK: 0}
+        self._dropped = 0
+        self._skipped_slow = 0
+
+    @property
+    def host(self) -> HostStore | None:
+        return self._host
+
+    @property
+    def disk(self) -> DiskStore | None:
+        return self._disk
+
+    def where(self, key: int) -> Tier | None:
+        if self._host is not None and key in self._host:
+            return Tier.HOST
+        if self._disk is not None and key in self._disk:
+            return Tier.DISK
+        return None
+
+    # ------------------------------------------------------------------ down
+
+    def write_back(self, evicted: Sequence[EvictedPage]) -> None:
+        """Pages leaving the pool (their ids still hold their KV): copy down the ones not
+        below already."""
+        missing = []
+        for page in evicted:
+            if self._host is not None and page.key in self._host:
+                self._host.touch(page.key)
+            elif self._disk is not None and page.key in self._disk:
+                self._disk.touch(page.key)
+            else:
+                missing.append(page)
+        if not missing:
+            return
+        data = self._io.read_pages([page.page for page in missing])
+        for page, blob in zip(missing, data):
+            self._store(PageRecord(page.key, page.tokens, blob))
+
+    def persist(self, pages: Sequence[EvictedPage]) -> None:
+        """Before shutdown: every record of the host store and the given pool pages go to
+        disk (what is there already stays), so a restarted engine finds them."""
+        if self._disk is None:
+            return
+        if self._host is not None:
+            for record in self._host.drain():
+                self._to_disk(record)
+        missing = [page for page in pages if page.key not in self._disk]
+        data = self._io.read_pages([page.page for page in missing]) if missing else []
+        for page, blob in zip(missing, data):
+            self._to_disk(PageRecord(page.key, page.tokens, blob))
+        self._disk.flush()
+
+    def _store(self, record: PageRecord) -> None:
+        if self._host is None:
+            self._to_disk(record)
+            return
+        self._written[Tier.HOST] += 1
+        for old in self._host.put(record):
+            if old is record:
+                self._written[Tier.HOST] -= 1
+            self._to_disk(old)
+
+    def _to_disk(self, record: PageRecord) -> None:
+        if self._disk is not None and self._disk.put(record):
+            self._written[Tier.DISK] += 1
+        else:
+            self._dropped += 1
+
+    # ------------------------------------------------------------------ up
+
+    def lookup(self, seed: int, buf: bytes, page_bytes: int) -> list[TierHit]:
+        """The pages of ``buf`` (canonical token bytes, whole pages, continuing the chain at
+        ``seed``) found below the pool, in order, up to the first that is missing or not
+        worth loading."""
+        hits: list[TierHit] = []
+        key = seed
+        for start in range(0, len(buf) - page_bytes + 1, page_bytes):
+            tokens = buf[start : start + page_bytes]
+            key = _xxh3(tokens, key)
+            tier = self.where(key)
+            if tier is None:
+                break
+            if not self.cost.pays(tier):
+                self._skipped_slow += 1
+                break
+            hits.append(TierHit(key, tokens, tier))
+        return hits
+
+    def fetch(self, hits: Sequence[TierHit]) -> list[PageRecord]:
+        """The records of ``hits``, in order, up to the first that cannot be read."""
+        records: list[PageRecord] = []
+        for hit in hits:
+            started = time.perf_counter()
+            record = self._read(hit)
+            if record is None:
+                break
+            records.append(record)
+            self.cost.observe_load(hit.tier, 1, time.perf_counter() - started)
+        return records
+
+    def install(
+        self, pages: Sequence[int], records: Sequence[PageRecord], hits: Sequence[TierHit]
+    ) -> None:
+        """Copy ``records`` into pool ``pages`` (fresh ones, of the caller's handle)."""
+        started = time.perf_counter()
+        self._io.write_pages(pages, [record.data for record in records])
+        per_page = (time.perf_counter() - started) / max(1, len(pages))
+        for hit in hits[: len(records)]:
+            self._loaded[hit.tier] += 1
+            self.cost.observe_load(hit.tier, 1, per_page)
+
+    def _read(self, hit: TierHit) -> PageRecord | None:
+        if hit.tier is Tier.HOST and self._host is not None:
+            record = self._host.get(hit.key)
+            if record is not None and record.tokens == hit.tokens:
+                return record
+            return None
+        if self._disk is not None:
+            return self._disk.get(hit.key, hit.tokens)
+        return None
+
+    # ------------------------------------------------------------------ upkeep
+
+    def observe_compute(self, tokens: int, seconds: float) -> None:
+        """A forward pass computed ``tokens`` prefill tokens in ``seconds``."""
+        self.cost.observe_compute(tokens, seconds)
+
+    def stats(self) -> TierStats:
+        host, disk = self._host, self._disk
+        return TierStats(
+            host_pages=len(host) if host else 0,
+            host_bytes=host.used_bytes if host else 0,
+            host_budget_bytes=host.budget_bytes if host else 0,
+            disk_pages=len(disk) if disk else 0,
+            disk_bytes=disk.used_bytes if disk else 0,
+            disk_budget_bytes=disk.budget_bytes if disk else 0,
+            written_host=self._written[Tier.HOST],
+            written_disk=self._written[Tier.DISK],
+            loaded_host=self._loaded[Tier.HOST],
+            loaded_disk=self._loaded[Tier.DISK],
+            dropped=self._dropped + (disk.evicted if disk else 0),
+            corrupt=disk.corrupt if disk else 0,
+            skipped_slow=self._skipped_slow,
+            load_s_per_page_host=self.cost.load_s_per_page(Tier.HOST),
+            load_s_per_page_disk=self.cost.load_s_per_page(Tier.DISK),
+            compute_s_per_page=self.cost.compute_s_per_page,
+        )
+
+    def check(self) -> None:
+        """Each tier within its budget and its counts; host and disk hold disjoint keys."""
+        if self._host is not None:
+            self._host.check()
+        if self._disk is not None:
+            self._disk.check()
+            if self._host is not None:
+                both = set(self._host.keys()) & set(self._disk.keys())
+                assert not both, f"{len(both)} pages both in host memory and on disk"
+
+    def flush(self) -> None:
+        if self._disk is not None:
+            self._disk.flush()
+
+    def close(self) -> None:
+        if self._disk is not None:
+            self._disk.close()

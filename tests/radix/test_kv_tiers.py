@@ -1,0 +1,305 @@
+"""KV tiers under the tree: every page in one place, nothing lost, loads bit-exact (a
+hypothesis state machine over KVManager + host + disk), and the disk format's promises
+(a damaged, truncated or foreign file is a miss; a restarted store finds its files)."""
+
+from __future__ import annotations
+
+import struct
+import tempfile
+from pathlib import Path
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from radix import KVManager, page_hashes
+from radix.tiers import DiskStore, HostStore, KVTiers, LoadCost, PageRecord, Tier
+from radix.tiers.disk import encode_record, file_size
+
+PAGE = 2
+PAGE_DATA = 32  # bytes of "KV" per page in the fake pool
+
+
+def kv_of(key: int) -> bytes:
+    """The KV a page would hold: a function of its content address only (as the model's is
+    a function of the prefix and namespace), so any misplaced page shows."""
+    return struct.pack("<Q", key) * (PAGE_DATA // 8)
+
+
+class FakePool:
+    """The pool's bytes, page by page (radix never sees tensors: this is all it needs)."""
+
+    def __init__(self) -> None:
+        self.data: dict[int, bytes] = {}
+        self.reads = 0
+
+    def read_pages(self, pages: list[int]) -> list[bytes]:
+        self.reads += len(pages)
+        return [self.data[page] for page in pages]
+
+    def write_pages(self, pages: list[int], data: list[bytes]) -> None:
+        for page, blob in zip(pages, data):
+            self.data[page] = blob
+
+
+def serve(kv: KVManager, pool: FakePool, tokens: list[int], namespace: str | None = None):
+    """One request the way the scheduler runs it: acquire, load from below, compute the rest
+    (the fake model writes each new page's KV), cache everything, release."""
+    cap = ((len(tokens) - 1) // PAGE) * PAGE
+    handle = kv.acquire(tokens[:cap], namespace)
+    pool_hit = handle.cached_len
+    loaded = kv.load(handle, tokens[:cap])
+    # Loaded pages hold exactly the KV their content address names.
+    chain = page_hashes(tokens, PAGE, namespace)
+    for i in range(pool_hit // PAGE, handle.cached_len // PAGE):
+        assert pool.data[handle.pages[i]] == kv_of(chain[i]), "a loaded page holds other KV"
+    assert kv.allocate(handle, len(tokens))
+    for i in range(handle.cached_len // PAGE, len(tokens) // PAGE):
+        pool.data[handle.pages[i]] = kv_of(chain[i])
+    kv.release(handle, tokens)
+    return pool_hit, loaded
+
+
+def make(tmp: str, pool_pages: int, host_pages: int, disk_pages: int | None):
+    pool = FakePool()
+    host = HostStore(host_pages * PAGE_DATA) if host_pages else None
+    disk = None
+    if disk_pages is not None:
+        record = PageRecord(0, b"\0" * 4 * PAGE, b"\0" * PAGE_DATA)
+        disk = DiskStore(tmp, disk_pages * file_size(record), "model-a")
+    tiers = KVTiers(pool, PAGE, host, disk)
+    return KVManager(pool_pages, PAGE, tiers=tiers), pool, tiers
+
+
+# ---------------------------------------------------------------------- examples
+
+
+def test_an_evicted_page_comes_back_from_host_memory_bit_for_bit(tmp_path: Path) -> None:
+    kv, pool, tiers = make(str(tmp_path), pool_pages=3, host_pages=8, disk_pages=None)
+    serve(kv, pool, [1, 2, 3, 4, 5])  # pages (1,2), (3,4) cached
+    serve(kv, pool, [9, 9, 8, 8, 7])  # evicts both: written to host
+    assert tiers.stats().written_host == 2
+    assert kv.lookup([1, 2, 3, 4, 5]).host == 4
+    pool_hit, loaded = serve(kv, pool, [1, 2, 3, 4, 5])
+    assert (pool_hit, loaded.host, loaded.disk) == (0, 4, 0)
+    kv.check([])
+
+
+def test_a_page_already_below_is_not_copied_again(tmp_path: Path) -> None:
+    kv, pool, tiers = make(str(tmp_path), pool_pages=3, host_pages=8, disk_pages=None)
+    serve(kv, pool, [1, 2, 3, 4, 5])
+    serve(kv, pool, [9, 9, 8, 8, 7])
+    serve(kv, pool, [1, 2, 3, 4, 5])  # loaded back (and still below)
+    reads = pool.reads
+    serve(kv, pool, [9, 9, 8, 8, 7])  # evicts (1,2),(3,4) again; (9,9),(8,8) loaded
+    assert pool.reads == reads, "write-back copied pages that were already below"
+    assert tiers.stats().written_host == 4
+
+
+def test_host_overflow_goes_to_disk_and_comes_back(tmp_path: Path) -> None:
+    kv, pool, tiers = make(str(tmp_path), pool_pages=3, host_pages=2, disk_pages=16)
+    serve(kv, pool, [1, 2, 3, 4, 5])
+    serve(kv, pool, [9, 9, 8, 8, 7])
+    serve(kv, pool, [6, 6, 5, 5, 4])  # host full: (1,2),(3,4) move to disk
+    assert kv.lookup([1, 2, 3, 4, 5]) .disk == 4
+    tiers.flush()
+    _, loaded = serve(kv, pool, [1, 2, 3, 4, 5])
+    assert loaded.disk == 4
+    kv.check([])
+
+
+def test_namespaces_never_share_pages_below_the_pool(tmp_path: Path) -> None:
+    kv, pool, _ = make(str(tmp_path), pool_pages=3, host_pages=8, disk_pages=8)
+    serve(kv, pool, [1, 2, 3, 4, 5], namespace="alice")
+    serve(kv, pool, [9, 9, 8, 8, 7], namespace="alice")
+    assert kv.lookup([1, 2, 3, 4, 5], "alice").total == 4
+    assert kv.lookup([1, 2, 3, 4, 5], "bob").total == 0
+    assert kv.lookup([1, 2, 3, 4, 5]).total == 0
+    _, loaded = serve(kv, pool, [1, 2, 3, 4, 5], namespace="bob")
+    assert loaded.total == 0
+
+
+def test_a_tier_slower_than_recomputing_is_not_loaded_from() -> None:
+    cost = LoadCost(page_size=16)
+    assert cost.pays(Tier.DISK)  # nothing measured: assume it pays
+    cost.observe_compute(tokens=1000, seconds=1.0)  # 16 ms per page
+    cost.observe_load(Tier.DISK, pages=1, seconds=0.050)
+    cost.observe_load(Tier.HOST, pages=1, seconds=0.0001)
+    assert cost.pays(Tier.HOST) and not cost.pays(Tier.DISK)
+    tries = [cost.pays(Tier.DISK) for _ in range(200)]
+    assert 1 <= sum(tries) <= 4, "a slow tier must still be retried now and then"
+
+
+def test_close_writes_the_pool_down_and_a_new_store_finds_it(tmp_path: Path) -> None:
+    kv, pool, tiers = make(str(tmp_path), pool_pages=8, host_pages=0, disk_pages=16)
+    serve(kv, pool, [1, 2, 3, 4, 5, 6, 7])
+    kv.close()
+    kv2, pool2, _ = make(str(tmp_path), pool_pages=8, host_pages=0, disk_pages=16)
+    assert kv2.lookup([1, 2, 3, 4, 5, 6, 7]).disk == 6
+    _, loaded = serve(kv2, pool2, [1, 2, 3, 4, 5, 6, 7])
+    assert loaded.disk == 6
+    # Another store key (another model, dtype or page size) sees nothing of it.
+    other = DiskStore(tmp_path, 1 << 20, "model-b")
+    assert len(other) == 0
+
+
+# ---------------------------------------------------------------------- the disk format
+
+
+def _stored(tmp_path: Path) -> tuple[DiskStore, PageRecord]:
+    store = DiskStore(tmp_path, 1 << 20, "m")
+    record = PageRecord(0x1234_5678_9ABC_DEF0, b"\1\0\0\0\2\0\0\0", b"kv-bytes" * 10)
+    assert store.put(record)
+    store.flush()
+    return store, record
+
+
+def test_a_record_written_to_disk_reads_back_equal(tmp_path: Path) -> None:
+    store, record = _stored(tmp_path)
+    assert store.path(record.key).read_bytes() == encode_record(record)
+    assert store.get(record.key, record.tokens) == record
+    assert store.get(record.key, b"\x09\0\0\0\2\0\0\0") is None  # other tokens: a miss
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw[: len(raw) // 2],  # truncated
+        lambda raw: raw[:-1],  # one byte short
+        lambda raw: raw[:40] + bytes([raw[40] ^ 1]) + raw[41:],  # a flipped bit in the KV
+        lambda raw: b"",  # empty
+        lambda raw: b"NOTAPAGE" + raw[8:],  # foreign magic
+    ],
+    ids=["truncated", "one-byte-short", "flipped-bit", "empty", "foreign"],
+)
+def test_a_damaged_file_is_a_miss_and_is_deleted(tmp_path: Path, damage) -> None:
+    store, record = _stored(tmp_path)
+    store.close()
+    path = store.path(record.key)
+    path.write_bytes(damage(path.read_bytes()))
+    again = DiskStore(tmp_path, 1 << 20, "m")
+    assert record.key in again  # indexed by name...
+    assert again.get(record.key, record.tokens) is None  # ...but never returned
+    assert again.corrupt == 1 and record.key not in again
+    again.flush()
+    assert not path.exists()
+    again.close()
+
+
+def test_a_file_under_another_keys_name_is_a_miss(tmp_path: Path) -> None:
+    store, record = _stored(tmp_path)
+    store.close()
+    other = 0x0FED_CBA9_8765_4321
+    target = DiskStore(tmp_path, 1 << 20, "m").path(other)
+    target.parent.mkdir(exist_ok=True)
+    target.write_bytes(store.path(record.key).read_bytes())
+    again = DiskStore(tmp_path, 1 << 20, "m")
+    assert again.get(other, record.tokens) is None and again.corrupt == 1
+    again.close()
+
+
+def test_a_half_written_temporary_file_is_cleared_at_open(tmp_path: Path) -> None:
+    store, record = _stored(tmp_path)
+    store.close()
+    tmp = store.path(record.key).parent / f".{record.key:016x}.kv.99.1.tmp"
+    tmp.write_bytes(encode_record(record)[:10])
+    again = DiskStore(tmp_path, 1 << 20, "m")
+    assert not tmp.exists() and len(again) == 1
+    again.close()
+
+
+def test_the_disk_budget_deletes_least_recently_used_files(tmp_path: Path) -> None:
+    records = [PageRecord(k, b"\0" * 8, bytes([k]) * 64) for k in range(1, 6)]
+    size = file_size(records[0])
+    store = DiskStore(tmp_path, 3 * size, "m")
+    for record in records[:3]:
+        store.put(record)
+    store.touch(1)
+    store.put(records[3])  # evicts key 2, the least recently used
+    store.put(records[4])  # evicts key 3
+    store.flush()
+    assert sorted(store.keys()) == [1, 4, 5]
+    assert sorted(p.name for p in store.directory.rglob("*.kv")) == [
+        f"{k:016x}.kv" for k in (1, 4, 5)
+    ]
+    store.check()
+    store.close()
+    # A smaller budget at the next open deletes the oldest files down to it.
+    again = DiskStore(tmp_path, 2 * size, "m")
+    assert len(again) == 2 and again.used_bytes <= 2 * size
+    again.close()
+
+
+# ---------------------------------------------------------------------- state machine
+
+STEMS = [[1, 2, 3, 4, 5, 6], [1, 2, 7, 8], [9, 9, 9, 9, 9, 9, 9, 9], [3, 3, 1, 2]]
+
+
+class TieredKV(RuleBasedStateMachine):
+    """Requests served through a tiny pool over a tiny host store and disk store: after every
+    step each tier keeps its budget and counts, host and disk hold disjoint pages, every page
+    anywhere holds exactly the KV of its content address (nothing misplaced, nothing torn),
+    and whatever was evicted is found below unless a budget dropped it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._dir = tempfile.TemporaryDirectory()
+        self.kv, self.pool, self.tiers = make(
+            self._dir.name, pool_pages=7, host_pages=3, disk_pages=4
+        )
+        self.served = 0
+
+    def teardown(self) -> None:
+        self.tiers.close()
+        self._dir.cleanup()
+
+    @rule(
+        stem=st.sampled_from(STEMS),
+        tail=st.lists(st.integers(0, 3), max_size=4),
+        namespace=st.sampled_from([None, "t1"]),
+    )
+    def serve_request(self, stem: list[int], tail: list[int], namespace: str | None) -> None:
+        tokens = stem + tail + [0]
+        before = self.kv.lookup(tokens, namespace)
+        pool_hit, loaded = serve(self.kv, self.pool, tokens, namespace)
+        cap = ((len(tokens) - 1) // PAGE) * PAGE
+        assert pool_hit == min(before.pool, cap)
+        # What lookup promised below is what load brought (nothing raced it here).
+        assert loaded.total == min(before.total, cap) - pool_hit
+        self.served += 1
+
+    @precondition(lambda self: self.served > 0)
+    @rule()
+    def flush_disk(self) -> None:
+        self.tiers.flush()
+
+    @invariant()
+    def every_page_is_in_one_place_and_holds_its_own_kv(self) -> None:
+        self.kv.check([])
+        host, disk = self.tiers.host, self.tiers.disk
+        assert host is not None and disk is not None
+        for key in host.keys():
+            record = host.get(key)
+            assert record is not None and record.data == kv_of(key)
+        for page in self.kv.tree.walk_pages():
+            assert self.pool.data[page.page] == kv_of(page.key)
+        stats = self.tiers.stats()
+        assert stats.written_host + stats.written_disk >= stats.host_pages + stats.disk_pages
+
+
+def test_disk_records_hold_their_own_kv_after_the_machine_runs(tmp_path: Path) -> None:
+    kv, pool, tiers = make(str(tmp_path), pool_pages=5, host_pages=1, disk_pages=8)
+    for stem in STEMS * 2:
+        serve(kv, pool, stem + [0])
+    tiers.flush()
+    disk = tiers.disk
+    assert disk is not None and len(disk) > 0
+    for key in disk.keys():
+        raw = disk.path(key).read_bytes()
+        assert kv_of(key) in raw
+
+
+TieredKV.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+TestTieredKV = TieredKV.TestCase

@@ -29,6 +29,13 @@ from workloads.ideal import PageTrie
 from workloads.metrics import RunMetrics, median_metrics, run_metrics
 from workloads.runner import RunResult, run_trace
 from workloads.text import TextSource
+from workloads.tier_bench import (
+    TIER_DEFAULTS,
+    TIER_WORKLOADS,
+    TierWorkloadResult,
+    bench_tiers,
+    format_tier_table,
+)
 from workloads.trace import Trace, read_trace, write_trace
 
 # The order --all runs them in: the headline workloads first.
@@ -81,6 +88,7 @@ class BenchReport(msgspec.Struct):
     page_size: int
     repeats: int
     workloads: list[WorkloadResult]
+    tiers: list[TierWorkloadResult] = []
 
 
 def machine_info() -> dict[str, Any]:
@@ -295,11 +303,15 @@ def _parse_overrides(items: Sequence[str], workloads: Sequence[str]) -> dict[str
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m workloads.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    which = p.add_mutually_exclusive_group(required=True)
+    which = p.add_mutually_exclusive_group()
     which.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
                        help="workload to run (repeatable)")
     which.add_argument("--all", action="store_true", help="every workload")
     which.add_argument("--trace", type=Path, help="run a trace file (JSONL) instead")
+    p.add_argument("--tiers", action="store_true",
+                   help="KV tiers under pressure: rag and sessions (or the --workload given) "
+                   "with the pool at a tenth of the working set (tiers off, host, host+disk) "
+                   "and a warm restart (default 2 repeats)")
     p.add_argument("--policy", action="append", choices=("lpm", "fcfs", "dfs-weight"),
                    help="scheduling policy with the cache on (repeatable; default lpm)")
     p.add_argument("--cache", choices=("on", "off", "both"),
@@ -327,9 +339,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="torch CPU threads for engine and baseline (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    if not (args.workload or args.all or args.trace or args.tiers):
+        p.error("one of --workload, --all, --trace or --tiers is required")
+    if args.tiers and (args.all or args.trace):
+        p.error("--tiers runs rag and sessions, or the --workload given")
     args.policy = args.policy or ["lpm"]
     if args.repeats is None:
-        args.repeats = 3 if args.compare else 1
+        args.repeats = 3 if args.compare else 2 if args.tiers else 1
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     if args.threads < 0:
@@ -358,11 +374,16 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     if args.trace is not None:
         traces = [read_trace(args.trace)]
     else:
-        names = list(ALL_WORKLOADS) if args.all else list(dict.fromkeys(args.workload))
+        if args.tiers and not args.workload:
+            names = list(TIER_WORKLOADS)
+        else:
+            names = list(ALL_WORKLOADS) if args.all else list(dict.fromkeys(args.workload))
         try:
             overrides = _parse_overrides(args.set, names)
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
+        if args.tiers:
+            overrides = {n: {**TIER_DEFAULTS.get(n, {}), **overrides[n]} for n in names}
         source = TextSource(tokenizer)
         traces = [generate(n, tokenizer, args.seed, overrides[n], source) for n in names]
     if args.save_traces is not None:
@@ -379,9 +400,14 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         repeats=args.repeats, workloads=[],
     )
     for trace in traces:
-        result = bench_workload(trace.workload, trace, loaded, args, baseline_model)
-        report.workloads.append(result)
-        print(format_table(result), flush=True)
+        if args.tiers:
+            tiers = bench_tiers(trace, loaded, args)
+            report.tiers.append(tiers)
+            print(format_tier_table(tiers), flush=True)
+        else:
+            result = bench_workload(trace.workload, trace, loaded, args, baseline_model)
+            report.workloads.append(result)
+            print(format_table(result), flush=True)
         print(flush=True)
         if args.json is not None:  # written after every workload: a long run keeps what it got
             args.json.parent.mkdir(parents=True, exist_ok=True)

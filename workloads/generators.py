@@ -168,6 +168,39 @@ def chat(tokenizer: TextTokenizer, params: ChatParams, seed: int,
     return Trace("chat", seed, msgspec.to_builtins(params), {}, tuple(sessions))
 
 
+class SessionsParams(msgspec.Struct, frozen=True):
+    """Chat sessions that come back: each user has a long context of their own (a persona
+    and notes), and between two of a user's turns every other user takes one, so with a
+    small KV pool a session returns to find its history pushed out (what KV tiers are for)."""
+
+    users: int = 16
+    turns: int = 3
+    context_tokens: int = 384
+    user_tokens: int = 32
+    max_new_tokens: int = 16
+
+
+def sessions(tokenizer: TextTokenizer, params: SessionsParams, seed: int,
+             source: TextSource | None = None) -> Trace:
+    _positive(params)
+    source = source or TextSource(tokenizer)
+    rng = random.Random(seed)
+    out = []
+    for user in range(params.users):
+        context = source.fit(CHAT_PERSONA + source.paragraphs_text(params.context_tokens, rng),
+                             params.context_tokens)
+        turns = tuple(
+            Turn(
+                user=_question(source, rng.choice(source.corpus.documented), rng,
+                               params.user_tokens),
+                max_new_tokens=params.max_new_tokens,
+            )
+            for _ in range(params.turns)
+        )
+        out.append(Session(f"user{user}", turns, system=context))
+    return Trace("sessions", seed, msgspec.to_builtins(params), {}, tuple(out))
+
+
 def zipf_weights(count: int, s: float) -> list[float]:
     """Normalised Zipf weights 1/r^s for ranks 1..count."""
     raw = [1.0 / (r**s) for r in range(1, count + 1)]
@@ -336,6 +369,7 @@ WORKLOADS: dict[str, tuple[type[msgspec.Struct], Generator]] = {
     "fewshot": (FewshotParams, fewshot),
     "shared-prefix": (SharedPrefixParams, shared_prefix),
     "unique": (UniqueParams, unique),
+    "sessions": (SessionsParams, sessions),
 }
 
 

@@ -29,6 +29,9 @@ class RunMetrics(msgspec.Struct):
     ttft_p99_s: float
     preemptions: int
     evicted_pages: int
+    # Of cached_tokens: loaded back from the KV tiers below the pool (0 without tiers).
+    cached_host_tokens: int = 0
+    cached_disk_tokens: int = 0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -65,6 +68,8 @@ def run_metrics(result: RunResult, page_size: int) -> RunMetrics:
         ttft_p99_s=percentile(ttfts, 99),
         preemptions=result.counters.get("preemptions", 0),
         evicted_pages=result.counters.get("evicted_pages", 0),
+        cached_host_tokens=result.counters.get("cached_tokens_host", 0),
+        cached_disk_tokens=result.counters.get("cached_tokens_disk", 0),
     )
 
 

@@ -43,8 +43,9 @@ class RunResult(msgspec.Struct):
     counters: dict[str, int]
 
 
-COUNTERS = ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "generated_tokens",
-            "evicted_pages", "preemptions", "requests", "aborted")
+COUNTERS = ("prompt_tokens", "cached_tokens", "cached_tokens_host", "cached_tokens_disk",
+            "computed_prefill_tokens", "generated_tokens", "evicted_pages", "preemptions",
+            "requests", "aborted")
 
 
 def _counters(engine: Any) -> dict[str, int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +143,9 @@ class EngineLoop:
             if not self._thread.is_alive() and self._runner is not None:
                 try:
                     self._scheduler.kv.close()  # the pool's pages to the disk tier, if any
+                except Exception as exc:  # closing must not fail: the files stay consistent
+                    warnings.warn(f"KV tiers: writing the pool down failed: {exc!r}",
+                                  stacklevel=2)
                 finally:
                     self._runner = None  # drops the model runner and its KV pool
 

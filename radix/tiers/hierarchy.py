@@ -27,6 +27,7 @@ from radix.tiers.host import HostStore
 from radix.tiers.record import EvictedPage, PageRecord, Tier, TierHit
 
 _xxh3 = xxhash.xxh3_64_intdigest
+PERSIST_CHUNK = 64  # pages read from the pool at a time when writing it down at close
 
 
 class PageIO(Protocol):
@@ -126,9 +127,10 @@ class KVTiers:
             for record in self._host.drain():
                 self._to_disk(record)
         missing = [page for page in pages if page.key not in self._disk]
-        data = self._io.read_pages([page.page for page in missing]) if missing else []
-        for page, blob in zip(missing, data):
-            self._to_disk(PageRecord(page.key, page.tokens, blob))
+        for start in range(0, len(missing), PERSIST_CHUNK):  # bounded copies, not the pool
+            chunk = missing[start : start + PERSIST_CHUNK]
+            for page, blob in zip(chunk, self._io.read_pages([page.page for page in chunk])):
+                self._to_disk(PageRecord(page.key, page.tokens, blob))
         self._disk.flush()
 
     def _store(self, record: PageRecord) -> None:

@@ -74,6 +74,28 @@ def test_metrics_count_each_prompt_once_through_preemption_and_waiting(
         assert seen["radixkv:kv_pages_in_use"] == 0
 
 
+def test_hits_are_labelled_by_the_tier_they_came_from(loaded_fp32: Any) -> None:
+    # A pool of ~2 of these prompts over a host tier: the second round loads from host.
+    engine = Engine(model=loaded_fp32, page_size=4, num_pages=40, kv_host_bytes=1 << 30)
+    with engine, TestClient(create_app(engine, ServerConfig(model_name="m"))) as client:
+        params = SamplingParams(max_new_tokens=2, temperature=0)
+        for question in QUESTIONS * 2:
+            engine.generate([[{"role": "user", "content": question}]], params)
+        by_source: dict[str, float] = {}
+        loaded: dict[str, float] = {}
+        for family in text_string_to_metric_families(client.get("/metrics").text):
+            for sample in family.samples:
+                if sample.name == "radixkv:cached_tokens_total":
+                    by_source[sample.labels["cache_source"]] = sample.value
+                if sample.name == "radixkv:kv_tier_pages_loaded_total":
+                    loaded[sample.labels["tier"]] = sample.value
+        stats = engine.stats()
+        assert by_source["host"] == stats.cached_tokens_host > 0
+        assert by_source["disk"] == 0 and loaded["disk"] == 0
+        assert sum(by_source.values()) == counters(client)["radixkv:prefix_cache_hits_total"]
+        assert loaded["host"] == stats.kv_pages_loaded_host > 0
+
+
 @pytest.mark.parametrize("names", [["a"], ["a", "b"]])
 def test_every_served_name_is_listed_and_accepted(loaded_fp32: Any, names: list[str]) -> None:
     engine = Engine(model=loaded_fp32, num_pages=64)

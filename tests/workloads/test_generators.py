@@ -121,3 +121,13 @@ def test_fit_tokens_cuts_to_the_exact_size(tokenizer, source):
     text = source.corpus.text()[:5000]
     for n in (1, 17, 100, 333):
         assert len(encode(tokenizer, fit_tokens(tokenizer, text, n))) == n
+
+
+def test_sessions_give_every_user_a_context_of_their_own(tokenizer, source):
+    trace = generate("sessions", tokenizer, 0, source=source, overrides={
+        "users": 5, "turns": 2, "context_tokens": 120})
+    assert len(trace.sessions) == 5
+    assert all(len(s.turns) == 2 for s in trace.sessions)
+    contexts = [s.system for s in trace.sessions]
+    assert len(set(contexts)) == 5, "two users share a context: nothing would be pushed out"
+    assert all(len(encode(tokenizer, c)) <= 120 for c in contexts)

@@ -75,8 +75,9 @@ def test_metrics_count_each_prompt_once_through_preemption_and_waiting(
 
 
 def test_hits_are_labelled_by_the_tier_they_came_from(loaded_fp32: Any) -> None:
-    # A pool of ~2 of these prompts over a host tier: the second round loads from host.
-    engine = Engine(model=loaded_fp32, page_size=4, num_pages=40, kv_host_bytes=1 << 30)
+    # A pool of about one of these prompts (~37 tokens) over a host tier: each question's
+    # own pages are pushed out by the next, and the second round loads them from host.
+    engine = Engine(model=loaded_fp32, page_size=4, num_pages=14, kv_host_bytes=1 << 30)
     with engine, TestClient(create_app(engine, ServerConfig(model_name="m"))) as client:
         params = SamplingParams(max_new_tokens=2, temperature=0)
         for question in QUESTIONS * 2:

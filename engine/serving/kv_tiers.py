@@ -47,8 +47,10 @@ def check_tier_args(
         raise ValueError(
             "kv_host_bytes, kv_disk_dir: KV tiers need prefix_cache=True (nothing is cached)"
         )
-    if kv_disk_dir is not None and Path(kv_disk_dir).exists() and not Path(kv_disk_dir).is_dir():
-        raise ValueError(f"kv_disk_dir: {str(kv_disk_dir)!r} exists and is not a directory")
+    if kv_disk_dir is not None:
+        path = Path(kv_disk_dir).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"kv_disk_dir: {str(kv_disk_dir)!r} exists and is not a directory")
 
 
 def build_tiers(

@@ -7,8 +7,10 @@ rest are private to the request. Every page is, at every moment, in exactly one 
 free list, the tree, or one handle's private tail (``check``).
 
 Whoever needs to follow the tree without walking it (the scheduler's index of waiting
-matches today; KV tiers and a router's KV events later) subscribes to the manager's
-``PagesStored`` and ``PagesEvicted`` events: every insert and eviction goes through here.
+matches today; a router's KV events later) subscribes to the manager's ``PagesStored`` and
+``PagesEvicted`` events: every insert and eviction goes through here. The KV tiers below the
+pool (``radix.tiers``) are called directly instead: evicted pages must be copied down before
+their ids are reused, and admitted requests load pages back (``load``).
 """
 
 from __future__ import annotations
@@ -284,13 +286,13 @@ class KVManager:
         hits = self._below(tokens, handle.namespace, start, handle.node.hash)
         if not hits:
             return NO_LOAD
-        records = tiers.fetch(hits)
-        if not records or not self.allocate(handle, start + len(records) * p):
+        fetched = tiers.fetch(hits)
+        end = start + len(fetched) * p
+        if not fetched or not self.allocate(handle, end):
             return NO_LOAD
-        end = start + len(records) * p
-        tiers.install(handle.pages[start // p :], records, hits)
+        tiers.install(handle.pages[start // p :], fetched)
         self.cache(handle, tokens[:end])
-        host = p * sum(1 for hit in hits[: len(records)] if hit.tier is Tier.HOST)
+        host = p * sum(1 for page in fetched if page.tier is Tier.HOST)
         return TierLoad(host=host, disk=end - start - host)
 
     def _below(

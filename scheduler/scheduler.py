@@ -326,15 +326,15 @@ class Scheduler:
     def _try_admit(self, plan: _StepPlan, request: Request, committed: int) -> int | None:
         """Admit ``request`` if memory allows; returns the new committed page count."""
         tokens = request.all_tokens
-        cap = matchable_length(len(tokens), self._page_size)
-        kv = self._kv.acquire(tokens[:cap], request.namespace)  # locked: nothing evicts it now
+        matchable = tokens[: matchable_length(len(tokens), self._page_size)]
+        kv = self._kv.acquire(matchable, request.namespace)  # locked: nothing evicts it now
         need = self._projected_pages(request) - len(kv.pages)
         if committed + need > self._kv.available:
             self._kv.release(kv)
             return None
         # Pages below the pool come back now, before the request computes anything: a load
         # takes the pool pages its recomputation would have (admission counted them).
-        loaded = self._kv.load(kv, tokens[:cap])
+        loaded = self._kv.load(kv, matchable)
         request.state = RequestState.RUNNING
         request.kv = kv
         request.num_computed = kv.cached_len

@@ -66,20 +66,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def byte_size(text: str) -> int:
     """``123``, ``512M``, ``2G``, ``1.5GiB`` -> bytes (powers of 1024)."""
     value = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = value[-1:] if value[-1:] in _UNITS and value[-1:] else ""
+    scale = _UNITS.get(value[-1:], 1)
+    if scale > 1:
+        value = value[:-1]
     try:
-        number = float(value[: len(value) - len(unit)])
+        number = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
     if number < 0:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (must be >= 0)")
-    return int(number * _UNITS[unit])
+    return int(number * scale)
 
 
 def sampling_options() -> argparse.ArgumentParser:

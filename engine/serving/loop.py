@@ -292,9 +292,12 @@ class EngineLoop:
 
     def _observe_speed(self, batch: Batch, seconds: float) -> None:
         """Prefill-sized passes tell the KV tiers what recomputing a page costs."""
+        kv = self._scheduler.kv
+        if kv.tiers is None:
+            return
         tokens = sum(len(entry.input_ids) for entry in batch.entries)
         if tokens >= PREFILL_SPEED_MIN_TOKENS:
-            self._scheduler.kv.observe_compute(tokens, seconds)
+            kv.observe_compute(tokens, seconds)
 
     def _complete(self, job: Job) -> None:
         """Hands the caller its output (the request finished or was aborted)."""

@@ -7,11 +7,12 @@ from radix.tiers.cost import LoadCost
 from radix.tiers.disk import DiskStore
 from radix.tiers.hierarchy import KVTiers, PageIO, TierStats
 from radix.tiers.host import HostStore
-from radix.tiers.record import EvictedPage, PageRecord, Tier, TierHit
+from radix.tiers.record import EvictedPage, FetchedPage, PageRecord, Tier, TierHit
 
 __all__ = [
     "DiskStore",
     "EvictedPage",
+    "FetchedPage",
     "HostStore",
     "KVTiers",
     "LoadCost",

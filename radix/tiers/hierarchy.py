@@ -19,14 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import xxhash
-
+from radix.hashing import chain_hashes
 from radix.tiers.cost import LoadCost
 from radix.tiers.disk import DiskStore
 from radix.tiers.host import HostStore
-from radix.tiers.record import EvictedPage, PageRecord, Tier, TierHit
+from radix.tiers.record import EvictedPage, FetchedPage, PageRecord, Tier, TierHit
 
-_xxh3 = xxhash.xxh3_64_intdigest
 PERSIST_CHUNK = 64  # pages read from the pool at a time when writing it down at close
 
 
@@ -156,41 +154,37 @@ class KVTiers:
         ``seed``) found below the pool, in order, up to the first that is missing or not
         worth loading."""
         hits: list[TierHit] = []
-        key = seed
-        for start in range(0, len(buf) - page_bytes + 1, page_bytes):
-            tokens = buf[start : start + page_bytes]
-            key = _xxh3(tokens, key)
+        for i, key in enumerate(chain_hashes(buf, page_bytes, seed)):
             tier = self.where(key)
             if tier is None:
                 break
             if not self.cost.pays(tier):
                 self._skipped_slow += 1
                 break
-            hits.append(TierHit(key, tokens, tier))
+            hits.append(TierHit(key, buf[i * page_bytes : (i + 1) * page_bytes], tier))
         return hits
 
-    def fetch(self, hits: Sequence[TierHit]) -> list[PageRecord]:
-        """The records of ``hits``, in order, up to the first that cannot be read."""
-        records: list[PageRecord] = []
+    def fetch(self, hits: Sequence[TierHit]) -> list[FetchedPage]:
+        """The records of ``hits``, in order, up to the first that cannot be read, each with
+        the seconds its read took."""
+        fetched: list[FetchedPage] = []
         for hit in hits:
             started = time.perf_counter()
             record = self._read(hit)
             if record is None:
                 break
-            records.append(record)
-            self.cost.observe_load(hit.tier, 1, time.perf_counter() - started)
-        return records
+            fetched.append(FetchedPage(record, hit.tier, time.perf_counter() - started))
+        return fetched
 
-    def install(
-        self, pages: Sequence[int], records: Sequence[PageRecord], hits: Sequence[TierHit]
-    ) -> None:
-        """Copy ``records`` into pool ``pages`` (fresh ones, of the caller's handle)."""
+    def install(self, pages: Sequence[int], fetched: Sequence[FetchedPage]) -> None:
+        """Copy fetched records into pool ``pages`` (fresh ones, of the caller's handle);
+        each page's load cost (its read and its share of the copy) goes to the cost model."""
         started = time.perf_counter()
-        self._io.write_pages(pages, [record.data for record in records])
-        per_page = (time.perf_counter() - started) / max(1, len(pages))
-        for hit in hits[: len(records)]:
-            self._loaded[hit.tier] += 1
-            self.cost.observe_load(hit.tier, 1, per_page)
+        self._io.write_pages(pages, [page.record.data for page in fetched])
+        copy_s = (time.perf_counter() - started) / max(1, len(pages))
+        for page in fetched:
+            self._loaded[page.tier] += 1
+            self.cost.observe_load(page.tier, 1, page.read_s + copy_s)
 
     def _read(self, hit: TierHit) -> PageRecord | None:
         if hit.tier is Tier.HOST and self._host is not None:

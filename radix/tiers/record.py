@@ -49,3 +49,12 @@ class TierHit:
     key: int
     tokens: bytes
     tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedPage:
+    """A record read from ``tier`` for a load, and the seconds the read took."""
+
+    record: PageRecord
+    tier: Tier
+    read_s: float

@@ -7,7 +7,7 @@ rest are private to the request. Every page is, at every moment, in exactly one 
 free list, the tree, or one handle's private tail (``check``).
 
 Whoever needs to follow the tree without walking it (the scheduler's index of waiting
-matches today; a router's KV events later) subscribes to the manager's ``PagesStored`` and
+matches, the KV-event publisher a router follows) subscribes to the manager's ``PagesStored`` and
 ``PagesEvicted`` events: every insert and eviction goes through here. The KV tiers below the
 pool (``radix.tiers``) are called directly instead: evicted pages must be copied down before
 their ids are reused, and admitted requests load pages back (``load``).
@@ -44,19 +44,22 @@ class CacheHandle:
 @dataclass(frozen=True, slots=True)
 class PagesStored:
     """The tree gained ``pages`` holding ``tokens`` (whole pages), right after
-    ``parent_page`` (None: at the root of ``namespace``)."""
+    ``parent_page`` (None: at the root of ``namespace``); ``hashes`` are their content
+    addresses (``radix.page_hashes`` chain, namespace-seeded)."""
 
     namespace: str | None
     parent_page: int | None
     tokens: Sequence[int]
     pages: Sequence[int]
+    hashes: Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
 class PagesEvicted:
-    """The tree dropped ``pages`` (now free)."""
+    """The tree dropped ``pages`` (now free), whose content addresses were ``hashes``."""
 
     pages: Sequence[int]
+    hashes: Sequence[int]
 
 
 KVEvent = PagesStored | PagesEvicted
@@ -210,15 +213,17 @@ class KVManager:
         if short > 0:
             if short > self._tree.evictable_pages:
                 return False
-            if self._tiers is None:
+            if self._tiers is None and not self._listeners:
                 freed = self._tree.evict(short)
             else:
                 described: list[EvictedPage] = []
                 freed = self._tree.evict(short, described)
-                self._tiers.write_back(described)  # before any freed id is reused
+                if self._tiers is not None:
+                    self._tiers.write_back(described)  # before any freed id is reused
+                if self._listeners:
+                    self._announce(PagesEvicted(freed, [page.key for page in described]))
             allocator.free(freed)
             self._evicted += len(freed)
-            self._announce(PagesEvicted(freed))
         pages = allocator.alloc(need)
         assert pages is not None, "eviction freed fewer pages than it promised"
         handle.pages.extend(pages)
@@ -256,6 +261,7 @@ class KVManager:
                     found.pages[first - 1] if first else None,
                     tokens[inserted.cached : aligned],
                     found.pages[first:],
+                    _last_hashes(found.node, num_pages - first),
                 )
             )
         return handle
@@ -384,6 +390,17 @@ def _tree_pages(tree: RadixCache) -> set[int]:
                 pages.add(page)
             stack.extend(node.children.values())
     return pages
+
+
+def _last_hashes(node: Node, count: int) -> list[int]:
+    """The content addresses of the last ``count`` pages on the path to ``node``."""
+    chunks: list[list[int]] = []
+    while count > 0 and node.parent is not None:
+        hashes = node.page_hashes
+        chunks.append(hashes[-count:])
+        count -= len(hashes)
+        node = node.parent
+    return [h for chunk in reversed(chunks) for h in chunk]
 
 
 def _path_pages(node: Node | None) -> list[int]:

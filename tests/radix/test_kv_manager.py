@@ -74,16 +74,23 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}  # id(handle) -> the request's tokens
         self.live: dict[int, CacheHandle] = {}
         self.tree_pages: set[int] = set()  # what the events say the tree holds
+        self.tree_hashes: set[int] = set()  # and under which content addresses
         self.kv.subscribe(self._on_event)
 
     def _on_event(self, event: KVEvent) -> None:
         if isinstance(event, PagesStored):
             assert len(event.tokens) == PAGE * len(event.pages)
             assert not self.tree_pages & set(event.pages)
+            assert len(event.hashes) == len(event.pages)
+            assert not self.tree_hashes & set(event.hashes)
             self.tree_pages.update(event.pages)
+            self.tree_hashes.update(event.hashes)
         else:
             assert set(event.pages) <= self.tree_pages
+            assert set(event.hashes) <= self.tree_hashes
+            assert len(event.hashes) == len(event.pages)
             self.tree_pages.difference_update(event.pages)
+            self.tree_hashes.difference_update(event.hashes)
 
     @rule(
         target=handles,
@@ -140,6 +147,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     @invariant()
     def events_tell_exactly_what_the_tree_holds(self) -> None:
         assert self.kv.stats().cached == len(self.tree_pages)
+        assert {page.key for page in self.kv.tree.walk_pages()} == self.tree_hashes
 
     def teardown(self) -> None:
         for handle in list(self.live.values()):

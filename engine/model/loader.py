@@ -259,28 +259,44 @@ def _eos_token_ids(ckpt: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...
     return tuple(ids)
 
 
+@dataclass
+class ModelFront:
+    """What a front end needs without the weights: the tokenizer and the model's config
+    (a router tokenizes and validates requests for replicas that hold the weights)."""
+
+    config: ModelConfig
+    tokenizer: Any
+    source: Path
+
+
+def load_front(model: str | os.PathLike[str] | None = None) -> ModelFront:
+    """``model``'s tokenizer and config (None: the bundled SmolLM2); no weights are read."""
+    _set_offline()
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = resolve_source(model)
+    ckpt = checkpoint_dir(source)
+    hf_config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
+    ModelConfig.from_hf(hf_config)  # architecture check first
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+    config = ModelConfig.from_hf(hf_config, _eos_token_ids(ckpt, hf_config, tokenizer))
+    return ModelFront(config, tokenizer, source)
+
+
 def load_model(
     model: str | os.PathLike[str] | None = None,
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype | None = None,
 ) -> LoadedModel:
     """Load ``model`` (None: the bundled SmolLM2) as our LlamaModel on ``device``/``dtype``."""
-    _set_offline()
-    from transformers import AutoConfig, AutoTokenizer
-
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     _check_cpu_bf16(dt, dev)
-    source = resolve_source(model)
-    ckpt = checkpoint_dir(source)
-    hf_config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
-    ModelConfig.from_hf(hf_config)  # architecture check before reading any weights
-    tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
-    config = ModelConfig.from_hf(hf_config, _eos_token_ids(ckpt, hf_config, tokenizer))
-    net = LlamaModel(config)
-    net.load_hf_state_dict(read_state_dict(ckpt))
+    front = load_front(model)  # the architecture is checked before any weights are read
+    net = LlamaModel(front.config)
+    net.load_hf_state_dict(read_state_dict(checkpoint_dir(front.source)))
     net = net.to(device=dev, dtype=dt).eval()
-    return LoadedModel(config, net, tokenizer, source, dev, dt)
+    return LoadedModel(front.config, net, front.tokenizer, front.source, dev, dt)
 
 
 def load_hf_reference(model: str | os.PathLike[str] | None = None) -> Any:

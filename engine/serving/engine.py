@@ -7,7 +7,7 @@ import itertools
 import os
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +27,7 @@ from engine.serving.outputs import RequestOutput
 from engine.serving.prompts import encode_prompt, encode_text, split_prompts
 from engine.serving.stats import EngineStats
 from engine.serving.validation import check_fits, check_namespace, check_params, check_token_ids
-from radix import KVManager
+from radix import KVEvent, KVManager
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -336,6 +336,12 @@ class Engine:
     def alive(self) -> bool:
         """True while the engine loop runs (False once it died or the engine was closed)."""
         return not self.closed and self._loop.alive
+
+    def subscribe_kv(self, listener: Callable[[KVEvent], None]) -> None:
+        """Call ``listener`` with every ``PagesStored``/``PagesEvicted`` of this engine's KV
+        pool from now on, on the engine loop's thread (keep it short). A replica's KV-event
+        publisher follows the cache this way; subscribe before serving anything."""
+        self._loop.subscribe_kv(listener)
 
     def num_waiting(self) -> int:
         """Requests submitted and not yet running (what a server's queue limit counts)."""

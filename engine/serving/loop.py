@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from engine.serving.errors import EngineDeadError
 from engine.serving.handle import Delta, Done, Event, Failed, RequestHandle
 from engine.serving.outputs import RequestOutput
 from engine.serving.stats import EngineStats, snapshot
+from radix import KVEvent
 from scheduler import Batch, Request, RequestState, Scheduler
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -121,6 +123,11 @@ class EngineLoop:
         with self._lock:
             self._raise_if_stopped()
         return reached
+
+    def subscribe_kv(self, listener: Callable[[KVEvent], None]) -> None:
+        """``listener`` gets the KV manager's events on this loop's thread (list append:
+        safe while the loop runs)."""
+        self._scheduler.kv.subscribe(listener)
 
     def num_waiting(self) -> int:
         """Requests queued and not running: submitted but not yet taken in by the loop, plus

@@ -1,0 +1,32 @@
+"""Beyond one engine: replicas, their KV events, and the cache-aware router.
+
+``events``, ``index`` and ``policy`` are plain Python (the simulator runs them); ``serve``
+puts them on Ray Serve (imported only where Ray is installed).
+"""
+
+from cluster.events import KVEventBatch, KVEventPublisher, KVSnapshot
+from cluster.index import KVIndex, ReplicaView
+from cluster.policy import (
+    POLICY_NAMES,
+    CacheAware,
+    LeastLoaded,
+    RoundRobin,
+    RouteRequest,
+    RoutingPolicy,
+    TextPrefixAffinity,
+)
+
+__all__ = [
+    "POLICY_NAMES",
+    "CacheAware",
+    "KVEventBatch",
+    "KVEventPublisher",
+    "KVIndex",
+    "KVSnapshot",
+    "LeastLoaded",
+    "ReplicaView",
+    "RoundRobin",
+    "RouteRequest",
+    "RoutingPolicy",
+    "TextPrefixAffinity",
+]

@@ -1,0 +1,130 @@
+"""``radixkv``: the engine's commands and ``serve``; ``serve --replicas N`` runs N engine
+replicas on Ray Serve behind the cache-aware router (``cluster.serve``).
+
+Ray is imported only when ``--replicas`` is given, so the other commands start as fast as
+before. Without ``--ray-address`` a local Ray instance is started with exactly the CPUs the
+replicas ask for (``--replicas`` x ``--threads``, plus one for Serve's proxy and the front
+end); with ``--ray-address auto`` the application joins a running (multi-node) cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from engine.serving import cli as engine_cli
+from server import cli as server_cli
+
+ROUTER_CHOICES = ("cache_aware", "power_of_two", "prefix_affinity")
+
+
+def add_serve(commands: argparse._SubParsersAction) -> None:
+    server_cli.add_serve(commands)
+    serve = commands.choices["serve"]
+    group = serve.add_argument_group("replicas on Ray Serve")
+    group.add_argument(
+        "--replicas", type=int, default=None, metavar="N",
+        help="run N engine replicas on Ray Serve behind a router (default: one engine, "
+        "no Ray)",
+    )
+    group.add_argument(
+        "--router", default="cache_aware", choices=ROUTER_CHOICES,
+        help="cache_aware (ours: page hashes from KV events), power_of_two (Ray Serve's "
+        "default), prefix_affinity (Ray Serve LLM's PrefixCacheAffinityRouter)",
+    )
+    group.add_argument(
+        "--balance-threshold", type=int, default=4, metavar="Q",
+        help="cache_aware: leave the best-cached replica when its queue exceeds the least "
+        "loaded one's by more than Q requests (default 4)",
+    )
+    group.add_argument(
+        "--max-ongoing-requests", type=int, default=64, metavar="N",
+        help="requests Ray Serve sends one replica at once (default 64; Ray's 5 would starve "
+        "continuous batching)",
+    )
+    group.add_argument(
+        "--ray-address", default=None,
+        help="join this Ray cluster ('auto': the one on this machine) instead of starting one",
+    )
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    """Start Ray (or join it), deploy the application, serve until SIGINT/SIGTERM."""
+    threads = args.threads or 1
+    for flag, value, low in (
+        ("--replicas", args.replicas, 1), ("--threads", threads, 1),
+        ("--balance-threshold", args.balance_threshold, 0),
+        ("--max-ongoing-requests", args.max_ongoing_requests, 1),
+        ("--max-queued", args.max_queued or 1, 1), ("--port", args.port, 0),
+    ):
+        if value < low:
+            print(f"radixkv: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
+            return 2
+    if args.kv_disk_dir is not None:
+        print(
+            "radixkv: error: --kv-disk-dir is not supported with --replicas yet (replicas "
+            "would share one store); use --kv-host-bytes",
+            file=sys.stderr,
+        )
+        return 2
+    import ray
+    from ray import serve
+
+    from cluster.serve import ClusterConfig, build_app, stop_hub
+
+    names = args.served_model_name or [server_cli.model_name(args.model)]
+    engine = {
+        **engine_cli.engine_kwargs(args),
+        "page_size": args.page_size,
+        "max_running": args.max_running,
+        "max_batch_tokens": args.max_batch_tokens,
+        "prefix_cache": not args.no_prefix_cache,
+    }
+    config = ClusterConfig(
+        replicas=args.replicas, threads=threads, engine=engine, router=args.router,
+        balance_threshold=args.balance_threshold,
+        max_ongoing_requests=args.max_ongoing_requests, model=args.model,
+        server={"model_name": names[0], "extra_model_names": names[1:],
+                "api_key": args.api_key, "max_queued": args.max_queued},
+    )
+    started = time.perf_counter()
+    if args.ray_address is None:
+        ray.init(num_cpus=args.replicas * threads + 1, include_dashboard=False)
+    else:
+        ray.init(address=args.ray_address)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config), name="radixkv", route_prefix="/", blocking=False)
+        print(
+            f"radixkv: {names[0]}: {args.replicas} replicas x {threads} threads, router "
+            f"{args.router}, on http://{args.host}:{args.port} (ready in "
+            f"{time.perf_counter() - started:.1f} s)",
+            file=sys.stderr, flush=True,
+        )
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        serve.shutdown()
+        stop_hub(config.hub_name)
+        ray.shutdown()
+    print("radixkv: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = engine_cli.build_parser(add_serve).parse_args(argv)
+    if args.command == "serve":
+        if args.replicas is not None:
+            return serve_replicas(args)
+        return server_cli.serve(args)
+    return engine_cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The KV event hub: replicas publish their batches here, routers pull them.
+
+Replicas cannot call a router (it lives in Ray Serve's proxy or in a handle's process) and a
+router should not wait on every replica per request, so the batches meet in one small actor.
+The hub mirrors every replica's hashes in a ``KVIndex`` of its own, which is what lets it
+answer a router that fell behind (or just started) with a snapshot instead of the batches it
+no longer keeps. When the hub itself misses a batch, ``publish`` says so and the replica
+sends its own snapshot.
+
+Plain Python: ``cluster.serve`` runs it as a Ray actor; tests call it directly.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from cluster.events import KVEventBatch, KVSnapshot
+from cluster.index import KVIndex
+
+
+class HubPull(msgspec.Struct, frozen=True):
+    """What a router is missing: batches past its cursors, or snapshots where it is too far
+    behind; ``replicas`` lists every replica the hub follows, with its latest load."""
+
+    updates: list[KVEventBatch | KVSnapshot]
+    loads: dict[str, int]
+
+
+class EventHub:
+    """Keeps the last ``keep`` batches of each replica and a mirror of all their hashes."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self._keep = keep
+        self._index = KVIndex()
+        self._recent: dict[str, deque[KVEventBatch]] = {}
+        self._stats: dict[str, Any] = {}
+
+    def publish(self, batch: KVEventBatch) -> bool:
+        """Take a replica's next batch; False: the hub lost track, send ``publish_snapshot``."""
+        view = self._index.view(batch.replica)
+        duplicate = view is not None and view.epoch == batch.epoch and batch.seq <= view.seq
+        if not self._index.apply(batch):
+            return False
+        if not duplicate:
+            recent = self._recent.setdefault(batch.replica, deque(maxlen=self._keep))
+            recent.append(batch)
+        return True
+
+    def publish_snapshot(self, snapshot: KVSnapshot) -> None:
+        self._index.resync(snapshot)
+        self._recent[snapshot.replica] = deque(maxlen=self._keep)
+
+    def publish_stats(self, replica: str, stats: Any) -> None:
+        """A replica's latest engine stats (any picklable record), for the front end."""
+        self._stats[replica] = stats
+
+    def forget(self, replica: str) -> None:
+        """The replica is gone: its hashes leave the mirror and, at the next pull, the routers."""
+        self._index.remove_replica(replica)
+        self._recent.pop(replica, None)
+        self._stats.pop(replica, None)
+
+    def pull(self, cursors: dict[str, tuple[int, int]]) -> HubPull:
+        """Everything past each ``(epoch, seq)`` cursor, by replica."""
+        updates: list[KVEventBatch | KVSnapshot] = []
+        loads: dict[str, int] = {}
+        for replica in self._index.replicas():
+            view = self._index.view(replica)
+            assert view is not None
+            if view.stale or view.epoch is None:
+                continue
+            loads[replica] = view.load
+            cursor = cursors.get(replica)
+            if cursor == (view.epoch, view.seq):
+                continue
+            recent = self._recent.get(replica) or deque()
+            if (
+                cursor is not None
+                and cursor[0] == view.epoch
+                and recent
+                and recent[0].seq <= cursor[1] + 1
+            ):
+                updates.extend(b for b in recent if b.seq > cursor[1])
+            else:
+                updates.append(
+                    KVSnapshot(replica, view.epoch, view.seq, sorted(view.hashes))
+                )
+        return HubPull(updates, loads)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def num_hashes(self) -> int:
+        return self._index.num_hashes

@@ -1,0 +1,260 @@
+"""Which replica serves a request: the routing policies, free of Ray so that the simulator
+and the Ray Serve router run the very same code.
+
+Every policy sees a ``RouteRequest`` (the prompt's token ids, its namespace) and the
+replicas' current loads (requests queued or running), and names one replica.
+
+- ``CacheAware`` (ours): the replica holding the longest prefix of the prompt's page-hash
+  chain, from the replicas' KV events (``KVIndex``); ties go to the less loaded. When that
+  replica's load exceeds the least loaded one's by more than ``balance_threshold``, the least
+  loaded of two random choices instead. Requests routed in the last ``pending_ttl_s`` count
+  as held by their replica until its events catch up, so a burst of one new prefix lands
+  together.
+- ``TextPrefixAffinity``: what text-prefix routers do (SGLang's ``cache_aware``, Ray Serve
+  LLM's ``PrefixCacheAffinityRouter``): an approximate tree of the prompts each replica was
+  sent, matched character by character (token by token here), with no knowledge of
+  eviction; below a match-rate threshold, the replica whose tree is smallest.
+- ``RoundRobin`` and ``LeastLoaded``: the load-only baselines.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from cluster.index import KVIndex
+from radix.hashing import namespace_seed, page_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a router knows of a request: its prompt tokens (tokenized once, at the router)."""
+
+    token_ids: Sequence[int]
+    namespace: str | None = None
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, request: RouteRequest, loads: Mapping[str, int]) -> str:
+        """One of ``loads``' keys (the replicas that may take the request now)."""
+        ...
+
+
+def least_loaded(replicas: Sequence[str], loads: Mapping[str, int], rng: random.Random) -> str:
+    """The least loaded of ``replicas``; ties broken at random."""
+    low = min(loads[r] for r in replicas)
+    return rng.choice([r for r in replicas if loads[r] == low])
+
+
+def two_choices(loads: Mapping[str, int], rng: random.Random) -> str:
+    """The less loaded of two replicas picked at random (power of two choices)."""
+    names = list(loads)
+    if len(names) <= 2:
+        return least_loaded(names, loads, rng)
+    return least_loaded(rng.sample(names, 2), loads, rng)
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, request: RouteRequest, loads: Mapping[str, int]) -> str:
+        names = sorted(loads)
+        chosen = names[self._next % len(names)]
+        self._next += 1
+        return chosen
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, loads: Mapping[str, int]) -> str:
+        return least_loaded(list(loads), loads, self._rng)
+
+
+class CacheAware:
+    """Longest cached prefix by page hash, bounded by a load-balance threshold."""
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        index: KVIndex,
+        page_size: int,
+        balance_threshold: int = 4,
+        pending_ttl_s: float = 2.0,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if balance_threshold < 0:
+            raise ValueError(f"balance_threshold: must be >= 0, got {balance_threshold}")
+        self.index = index
+        self.page_size = page_size
+        self.balance_threshold = balance_threshold
+        self.pending_ttl_s = pending_ttl_s
+        self._rng = random.Random(seed)
+        self._clock = clock
+        # Recently routed chains not yet confirmed by events: hash -> (replica, expiry).
+        self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self.balanced = 0  # requests sent away from their best match for load
+
+    def hashes(self, request: RouteRequest) -> list[int]:
+        """The chain of the whole pages the replica could reuse (never the last token)."""
+        tokens = request.token_ids
+        usable = max(0, len(tokens) - 1)
+        return page_hashes(tokens[: usable - usable % self.page_size], self.page_size,
+                           request.namespace)
+
+    def prefix_pages(self, hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
+        """Leading pages each replica holds (per the index) or was just sent (pending)."""
+        depth = self.index.prefix_pages(hashes)
+        now = self._clock()
+        pending = self._pending
+        while pending:
+            first = next(iter(pending.values()))
+            if first[1] > now:
+                break
+            pending.popitem(last=False)
+        run: dict[str, int] = {}
+        for i, h in enumerate(hashes):
+            held = pending.get(h)
+            if held is None:
+                break
+            if run.get(held[0], 0) == i:
+                run[held[0]] = i + 1
+        for replica, n in run.items():
+            if n > depth.get(replica, 0):
+                depth[replica] = n
+        return {r: depth.get(r, 0) for r in replicas}
+
+    def choose(self, request: RouteRequest, loads: Mapping[str, int]) -> str:
+        hashes = self.hashes(request)
+        replicas = list(loads)
+        depth = self.prefix_pages(hashes, replicas)
+        best_depth = max(depth.values())
+        best = least_loaded([r for r in replicas if depth[r] == best_depth], loads, self._rng)
+        if loads[best] - min(loads.values()) > self.balance_threshold:
+            self.balanced += 1
+            best = two_choices(loads, self._rng)
+        self._remember(hashes, best)
+        return best
+
+    def _remember(self, hashes: Sequence[int], replica: str) -> None:
+        if self.pending_ttl_s <= 0:
+            return
+        expiry = self._clock() + self.pending_ttl_s
+        pending = self._pending
+        for h in hashes:
+            pending[h] = (replica, expiry)
+            pending.move_to_end(h)
+
+
+class _TrieNode:
+    __slots__ = ("children", "last_used")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _TrieNode] = {}
+        self.last_used = 0
+
+
+class TextPrefixAffinity:
+    """An approximate prefix tree per replica of the prompts it was sent (no eviction
+    events), after the text-prefix routers; prompts are matched token by token."""
+
+    name = "text_prefix"
+
+    def __init__(
+        self,
+        match_threshold: float = 0.1,
+        imbalance_threshold: float = float("inf"),
+        max_tokens_per_replica: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.match_threshold = match_threshold
+        self.imbalance_threshold = imbalance_threshold
+        self.max_tokens = max_tokens_per_replica
+        self._rng = random.Random(seed)
+        self._trees: dict[str, _TrieNode] = {}
+        self._sizes: dict[str, int] = {}
+        self._tick = 0
+
+    def choose(self, request: RouteRequest, loads: Mapping[str, int]) -> str:
+        tokens = list(request.token_ids)
+        if request.namespace is not None:  # tenants' trees never meet
+            tokens = [-1 - namespace_seed(request.namespace) % (1 << 30), *tokens]
+        replicas = list(loads)
+        if max(loads.values()) - min(loads.values()) > self.imbalance_threshold:
+            chosen = two_choices(loads, self._rng)
+        else:
+            matched = {r: self._match(r, tokens) for r in replicas}
+            best = max(matched.values())
+            if tokens and best / len(tokens) >= self.match_threshold:
+                chosen = least_loaded([r for r in replicas if matched[r] == best], loads,
+                                      self._rng)
+            else:
+                small = min(self._sizes.get(r, 0) for r in replicas)
+                chosen = self._rng.choice([r for r in replicas if self._sizes.get(r, 0) == small])
+        self._insert(chosen, tokens)
+        return chosen
+
+    def _match(self, replica: str, tokens: Sequence[int]) -> int:
+        node = self._trees.get(replica)
+        n = 0
+        while node is not None and n < len(tokens):
+            node = node.children.get(tokens[n])
+            if node is not None:
+                n += 1
+        return n
+
+    def _insert(self, replica: str, tokens: Sequence[int]) -> None:
+        self._tick += 1
+        node = self._trees.setdefault(replica, _TrieNode())
+        added = 0
+        for token in tokens:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _TrieNode()
+                added += 1
+            child.last_used = self._tick
+            node = child
+        self._sizes[replica] = self._sizes.get(replica, 0) + added
+        if self.max_tokens is not None and self._sizes[replica] > self.max_tokens:
+            self._trim(replica)
+
+    def _trim(self, replica: str) -> None:
+        """Drop least recently used leaves until the tree is back under its budget."""
+        assert self.max_tokens is not None
+        root = self._trees[replica]
+        while self._sizes[replica] > self.max_tokens:
+            leaves: list[tuple[int, _TrieNode, int]] = []
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for token, child in node.children.items():
+                    if child.children:
+                        stack.append(child)
+                    else:
+                        leaves.append((child.last_used, node, token))
+            leaves.sort(key=lambda item: item[0])
+            for _, parent, token in leaves[: max(1, len(leaves) // 4)]:
+                del parent.children[token]
+                self._sizes[replica] -= 1
+                if self._sizes[replica] <= self.max_tokens:
+                    break
+
+    def tree_tokens(self, replica: str) -> int:
+        return self._sizes.get(replica, 0)
+
+
+POLICY_NAMES = ("round_robin", "least_loaded", "text_prefix", "cache_aware")

@@ -1,0 +1,179 @@
+"""The front end's stand-in for an Engine: the OpenAI app runs on it unchanged, and every
+request goes, as token ids, to whichever engine replica the router picks.
+
+Tokenizing and validating happen here, once (the replicas take ids and trust nothing else
+about them, but re-check the cheap bounds); the ``EngineCall`` carries the ids, the
+sampling parameters and the namespace, which is all a router needs to hash the prompt. The
+reply streams back as the engine's own events (``Delta`` ..., then the ``RequestOutput``),
+fed into an ordinary ``RequestHandle`` so the app cannot tell the difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from engine.model.loader import ModelFront
+from engine.serving.handle import Delta, Done, Failed, RequestHandle
+from engine.serving.outputs import RequestOutput
+from engine.serving.prompts import encode_prompt, split_prompts
+from engine.serving.stats import EngineStats
+from engine.serving.validation import check_fits, check_namespace, check_params
+from scheduler import SamplingParams
+
+
+class EngineCall(msgspec.Struct, frozen=True):
+    """One request as a replica receives it. ``prompt`` is the prompt's text, for routers
+    that match text (Ray Serve LLM's ``PrefixCacheAffinityRouter`` reads ``.prompt``)."""
+
+    token_ids: list[int]
+    params: Any  # SamplingParams (a dataclass: pickled by Ray as is)
+    namespace: str | None
+    stream: bool
+    prompt: str = ""
+
+
+Stream = Callable[[EngineCall], Any]  # an async iterator of Delta / RequestOutput
+
+
+class RemoteEngine:
+    """Engine-shaped front for replicas behind a router: what ``server.app`` calls."""
+
+    def __init__(
+        self,
+        front: ModelFront,
+        stream: Stream,
+        pool_tokens: Callable[[], int | None],
+        stats: Callable[[], EngineStats | None] = lambda: None,
+    ) -> None:
+        self._front = front
+        self._stream = stream
+        self._pool_tokens = pool_tokens
+        self._stats = stats
+        self._ids = itertools.count()
+        self._running: dict[int, asyncio.Task[None]] = {}
+        self._closed = False
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._front.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self._front.config
+
+    @property
+    def max_context(self) -> int:
+        return int(self._front.config.max_position_embeddings)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    def encode(self, prompt: Any, field: str = "prompt") -> list[int]:
+        items = split_prompts(prompt)
+        if len(items) != 1:
+            raise ValueError(f"{field}: expected one prompt, got a list of {len(items)}")
+        return encode_prompt(self.tokenizer, items[0], self._front.config.vocab_size, field)
+
+    def submit(
+        self,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        namespace: str | None = None,
+        stream: bool = False,
+    ) -> RequestHandle:
+        """Validates here (ValueError naming the field) and starts the remote request."""
+        check_namespace(namespace)
+        [p] = check_params(params, 1, self._front.config.vocab_size)
+        ids = self.encode(prompt)
+        pool = self._pool_tokens()  # None until a replica reported; the replica checks too
+        pool = pool if pool is not None else self.max_context + p.max_new_tokens
+        check_fits(len(ids), p.max_new_tokens, self.max_context, pool, "prompt")
+        text = self.tokenizer.decode(ids)
+        call = EngineCall(ids, p, namespace, stream, text)
+        request_id = next(self._ids)
+        handle = RequestHandle(request_id, self._abort)
+        task = asyncio.get_running_loop().create_task(self._pump(call, handle))
+        self._running[request_id] = task
+        task.add_done_callback(lambda _: self._running.pop(request_id, None))
+        return handle
+
+    async def _pump(self, call: EngineCall, handle: RequestHandle) -> None:
+        try:
+            async for item in self._stream(call):
+                if isinstance(item, Delta):
+                    handle.put(item)
+                elif isinstance(item, RequestOutput):
+                    handle.put(Done(item))
+                    return
+            handle.put(Failed(RuntimeError("the replica ended the stream without an output")))
+        except asyncio.CancelledError:
+            handle.put(Failed(RuntimeError("aborted")))
+            raise
+        except BaseException as exc:  # the replica's error, re-raised by the app
+            handle.put(Failed(_unwrap(exc)))
+
+    def _abort(self, request_id: int) -> None:
+        """Cancelling the stream cancels the replica's generator, which aborts its request."""
+        task = self._running.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    def num_waiting(self) -> int:
+        """Requests sent and not yet answered (what ``--max-queued`` counts at the front)."""
+        return len(self._running)
+
+    def stats(self) -> EngineStats:
+        """The replicas' stats added up (as of their last report), or zeros before any."""
+        return self._stats() or ZERO_STATS
+
+    def close(self) -> None:
+        self._closed = True
+        for task in list(self._running.values()):
+            task.cancel()
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """Ray wraps a replica's exception; the app maps the original (ValueError -> 400)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return cause
+    as_cause = getattr(exc, "as_instanceof_cause", None)
+    if callable(as_cause):
+        with contextlib.suppress(Exception):
+            return as_cause()
+    return exc
+
+
+def sum_stats(parts: list[EngineStats]) -> EngineStats | None:
+    """Replicas' stats as one engine's: counters and page figures add up; the hit rate is
+    recomputed; measured per-page costs are averaged over the replicas that have them."""
+    if not parts:
+        return None
+    values: dict[str, Any] = {}
+    for name, first in msgspec.structs.asdict(parts[0]).items():
+        column = [getattr(part, name) for part in parts]
+        if name == "hit_rate":
+            continue
+        if isinstance(first, int):
+            values[name] = sum(column)
+        else:
+            present = [v for v in column if v is not None]
+            values[name] = sum(present) / len(present) if present else None
+    prompt = values["prompt_tokens"]
+    values["hit_rate"] = values["cached_tokens"] / prompt if prompt else 0.0
+    return EngineStats(**values)
+
+
+ZERO_STATS = EngineStats(
+    requests=0, finished=0, aborted=0, prompt_tokens=0, cached_tokens=0, cached_tokens_host=0,
+    cached_tokens_disk=0, computed_prefill_tokens=0, generated_tokens=0, evicted_pages=0,
+    preemptions=0, failed=0, hit_rate=0.0, pages_total=0, pages_free=0, pages_cached=0,
+    pages_in_use=0, requests_running=0, requests_waiting=0,
+)

@@ -1,0 +1,345 @@
+"""Replicas on Ray Serve: an OpenAI front end, N engine replicas, and the router between.
+
+    HTTP -> Ray Serve proxy -> OpenAIFront (tokenizes, validates, the OpenAI app)
+         -> handle.generate(EngineCall) -> request router -> EngineReplica (an Engine)
+
+Each ``EngineReplica`` owns an Engine and publishes its KV events (page-hash batches, see
+``cluster.events``) to the ``EventHub`` actor; the ``CacheAwareRequestRouter`` (our
+``CacheAware`` policy behind Ray Serve's ``RequestRouter`` interface) pulls them in the
+background and routes each call on the hashes of its token ids. Everything here is plain
+Ray Serve: on a multi-node cluster the same application runs unchanged (``ray start`` on
+every node, ``radixkv serve --replicas N --ray-address auto`` on one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from cluster.events import KVEventBatch, KVEventPublisher
+from cluster.hub import EventHub
+from cluster.index import KVIndex
+from cluster.policy import CacheAware, RouteRequest
+from cluster.remote import EngineCall, RemoteEngine, sum_stats
+
+log = logging.getLogger("radixkv.cluster")
+
+HUB_NAMESPACE = "radixkv"
+ROUTERS = ("cache_aware", "power_of_two", "prefix_affinity")
+_RAY_ROUTERS = {
+    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "prefix_affinity": (
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+        "PrefixCacheAffinityRouter"
+    ),
+}
+
+
+class ClusterConfig(msgspec.Struct, frozen=True):
+    """Everything ``build_app`` needs; ``engine`` holds Engine keyword arguments."""
+
+    replicas: int = 2
+    threads: int = 1  # CPU threads (and Ray CPUs) per replica
+    engine: dict[str, Any] = {}
+    router: str = "cache_aware"
+    balance_threshold: int = 4
+    max_ongoing_requests: int = 64  # Ray's default (5) would starve continuous batching
+    hub_name: str = "radixkv-kv-hub"
+    model: str | None = None
+    server: dict[str, Any] = {}  # ServerConfig keyword arguments
+
+    def check(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router: must be one of {ROUTERS}, got {self.router!r}")
+        if self.balance_threshold < 0:
+            raise ValueError(f"balance_threshold: must be >= 0, got {self.balance_threshold}")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(
+                f"max_ongoing_requests: must be >= 1, got {self.max_ongoing_requests}"
+            )
+
+
+# ------------------------------------------------------------------------------ the hub
+
+
+def start_hub(name: str) -> Any:
+    """The named hub actor, created if missing. Detached: it must outlive the driver's
+    handle (the replicas and routers find it by name); ``stop_hub`` ends it."""
+    actor = ray.remote(num_cpus=0)(EventHub)
+    return actor.options(
+        name=name, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote()
+
+
+def stop_hub(name: str) -> None:
+    try:
+        ray.kill(_hub(name))
+    except ValueError:  # never started, or gone already
+        pass
+
+
+def _hub(name: str) -> Any:
+    return ray.get_actor(name, namespace=HUB_NAMESPACE)
+
+
+# ----------------------------------------------------------------------------- replicas
+
+
+@serve.deployment
+class EngineReplica:
+    """One Engine; streams each ``EngineCall``'s events back and publishes its KV events."""
+
+    def __init__(self, engine: dict[str, Any], threads: int, hub_name: str) -> None:
+        import torch
+
+        from engine import Engine
+
+        torch.set_num_threads(threads)  # Ray sets OMP threads from the CPU share; be explicit
+        self.engine = Engine(**engine, threads=threads)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.publisher = KVEventPublisher(self.name)
+        self.engine.subscribe_kv(self.publisher.on_event)
+        self.hub = _hub(hub_name)
+        ray.get(self.hub.publish_snapshot.remote(self.publisher.snapshot()))
+        self._stop = threading.Event()
+        self._publisher = threading.Thread(
+            target=self._publish_forever, name="radixkv-kv-events", daemon=True
+        )
+        self._publisher.start()
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[Any]:
+        """The engine's events for ``call``: ``Delta``s (when streaming), then the output.
+        A cancelled stream (the client left) aborts the request."""
+        handle = self.engine.submit(call.token_ids, call.params, call.namespace, call.stream)
+        try:
+            async for item in handle.events():
+                yield item
+        finally:
+            if not handle.finished:
+                handle.abort()
+
+    def _publish_forever(self, interval_s: float = 0.02, stats_every_s: float = 0.5) -> None:
+        last_stats = 0.0
+        resync = False
+        while not self._stop.wait(interval_s):
+            try:
+                stats = self.engine.stats()
+                load = stats.requests_running + self.engine.num_waiting()
+                batch = self.publisher.drain(load)
+                if batch is not None and not ray.get(self.hub.publish.remote(batch)):
+                    resync = True
+                if resync:  # the hub lost track (or a publish failed): start it over
+                    ray.get(self.hub.publish_snapshot.remote(self.publisher.snapshot()))
+                    resync = False
+                now = time.monotonic()
+                if now - last_stats >= stats_every_s:
+                    last_stats = now
+                    self.hub.publish_stats.remote(self.name, stats)
+                    if batch is None:  # keep the router's view of our load fresh
+                        self.hub.publish.remote(
+                            KVEventBatch(self.name, self.publisher.epoch, 0, [], [], load)
+                        )
+            except Exception:  # the hub restarting must not take the replica down
+                log.exception("publishing KV events failed; resyncing")
+                resync = True
+                time.sleep(1.0)
+
+    def __del__(self) -> None:
+        if hasattr(self, "_stop"):
+            self._stop.set()
+            self.hub.forget.remote(self.name)
+        if hasattr(self, "engine"):
+            self.engine.close()
+
+
+# ---------------------------------------------------------------------------- front end
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress()
+class OpenAIFront:
+    """The OpenAI app over a ``RemoteEngine``: requests go out as token ids."""
+
+    def __init__(self, replicas: Any, model: str | None, server: dict[str, Any],
+                 hub_name: str) -> None:
+        from engine.model.loader import load_front
+
+        self._replicas = replicas
+        self._hub = _hub(hub_name)
+        self._stats: dict[str, Any] = {}
+        self.engine = RemoteEngine(load_front(model), self._call, self._pool_tokens,
+                                   self._summed_stats)
+        self._server = server
+        threading.Thread(target=self._watch_stats, name="radixkv-stats", daemon=True).start()
+
+    def _call(self, call: EngineCall) -> Any:
+        return self._replicas.options(stream=True).generate.remote(call)
+
+    def _watch_stats(self) -> None:
+        while True:
+            try:
+                self._stats = ray.get(self._hub.stats.remote())
+            except Exception:
+                log.exception("reading the replicas' stats failed")
+            time.sleep(0.5)
+
+    def _pool_tokens(self) -> int | None:
+        pools = [s.pages_total * self.engine_page_size for s in self._stats.values()]
+        return min(pools) if pools else None
+
+    @property
+    def engine_page_size(self) -> int:
+        return int(self._server.get("page_size", 16))
+
+    def _summed_stats(self) -> Any:
+        return sum_stats(list(self._stats.values()))
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        from server.app import ServerConfig, create_app
+
+        config = {k: v for k, v in self._server.items() if k != "page_size"}
+        app = create_app(self.engine, ServerConfig(**config))
+
+        async def replicas(request: Request) -> JSONResponse:
+            """Per-replica engine stats (requests, hit rate, load): what the bench reads."""
+            return JSONResponse(
+                {name: msgspec.structs.asdict(s) for name, s in sorted(self._stats.items())}
+            )
+
+        app.router.routes.insert(0, Route("/v1/replicas", replicas, methods=["GET"]))
+        return app
+
+
+# ------------------------------------------------------------------------------ router
+
+
+class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
+    """Ray Serve request router running ``CacheAware`` on the replicas' KV events."""
+
+    def initialize_state(
+        self,
+        hub_name: str = "radixkv-kv-hub",
+        page_size: int = 16,
+        balance_threshold: int = 4,
+        pending_ttl_s: float = 2.0,
+        poll_interval_s: float = 0.02,
+    ) -> None:
+        self._hub_name = hub_name
+        self._index = KVIndex()
+        self._policy = CacheAware(self._index, page_size, balance_threshold, pending_ttl_s)
+        self._poll_interval_s = poll_interval_s
+        self._cursors: dict[str, tuple[int, int]] = {}
+        self._hub_loads: dict[str, int] = {}
+        self._poller: asyncio.Task[None] | None = None
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._follow_hub())
+        call = _call_of(pending_request)
+        if call is None or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        loads = await self._loads(candidate_replicas)
+        chosen = self._policy.choose(RouteRequest(call.token_ids, call.namespace), loads)
+        first = next(r for r in candidate_replicas if r.replica_id.unique_id == chosen)
+        return [[first], [r for r in candidate_replicas if r is not first]]
+
+    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Each replica's ongoing requests: probed (as Ray's own routers do), else the last
+        load it published."""
+        loads = {r.replica_id.unique_id: self._hub_loads.get(r.replica_id.unique_id, 0)
+                 for r in replicas}
+        for replica, queue_len in await self._probe_queue_lens(replicas, 0):
+            if queue_len is not None:
+                loads[replica.replica_id.unique_id] = queue_len
+        return loads
+
+    async def _follow_hub(self) -> None:
+        """Pull the hub's batches forever: apply them in order, resync on a gap."""
+        hub = None
+        while True:
+            try:
+                if hub is None:
+                    hub = _hub(self._hub_name)
+                pulled = await hub.pull.remote(self._cursors)
+                for update in pulled.updates:
+                    if isinstance(update, KVEventBatch):
+                        if self._index.apply(update):
+                            self._cursors[update.replica] = (update.epoch, update.seq)
+                        else:
+                            self._cursors.pop(update.replica, None)  # a snapshot next time
+                    else:
+                        self._index.resync(update)
+                        self._cursors[update.replica] = (update.epoch, update.seq)
+                for gone in set(self._index.replicas()) - set(pulled.loads):
+                    self._index.remove_replica(gone)
+                    self._cursors.pop(gone, None)
+                self._hub_loads = pulled.loads
+                await asyncio.sleep(self._poll_interval_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("following the KV event hub failed; retrying")
+                hub = None
+                await asyncio.sleep(1.0)
+
+
+def _call_of(pending_request: PendingRequest | None) -> EngineCall | None:
+    if pending_request is None:
+        return None
+    for arg in pending_request.args:
+        if isinstance(arg, EngineCall):
+            return arg
+    return None
+
+
+# ------------------------------------------------------------------------- application
+
+
+def router_config(config: ClusterConfig) -> RequestRouterConfig:
+    if config.router == "cache_aware":
+        return RequestRouterConfig(
+            request_router_class=CacheAwareRequestRouter,
+            request_router_kwargs={
+                "hub_name": config.hub_name,
+                "page_size": int(config.engine.get("page_size", 16)),
+                "balance_threshold": config.balance_threshold,
+            },
+        )
+    return RequestRouterConfig(request_router_class=_RAY_ROUTERS[config.router])
+
+
+def build_app(config: ClusterConfig) -> Any:
+    """The Serve application: the front end bound to ``config.replicas`` engine replicas.
+    Call after ``ray.init`` (the hub actor is started here)."""
+    config.check()
+    start_hub(config.hub_name)
+    replicas = EngineReplica.options(
+        num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.threads},
+        request_router_config=router_config(config),
+    ).bind({**config.engine, "model": config.model}, config.threads, config.hub_name)
+    server = {**config.server, "page_size": int(config.engine.get("page_size", 16))}
+    return OpenAIFront.bind(replicas, config.model, server, config.hub_name)

@@ -1,0 +1,102 @@
+"""The routing policies' choices: longest cached prefix, the balance threshold, namespaces,
+requests in flight, and the text-prefix and load-only baselines."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import (
+    CacheAware,
+    KVIndex,
+    KVSnapshot,
+    LeastLoaded,
+    RoundRobin,
+    RouteRequest,
+    TextPrefixAffinity,
+)
+from radix import page_hashes
+
+PAGE = 4
+PROMPT = list(range(1, 18))  # 4 whole reusable pages (the last token is never reused)
+
+
+def index_with(**held: list[int]) -> KVIndex:
+    index = KVIndex()
+    for name, hashes in held.items():
+        index.resync(KVSnapshot(name, 1, 0, hashes))
+    return index
+
+
+def test_the_replica_holding_the_longest_prefix_wins() -> None:
+    chain = page_hashes(PROMPT, PAGE)
+    policy = CacheAware(index_with(a=chain[:1], b=chain[:3], c=[]), PAGE, pending_ttl_s=0)
+    assert policy.choose(RouteRequest(PROMPT), {"a": 0, "b": 2, "c": 0}) == "b"
+
+
+def test_equal_prefixes_go_to_the_less_loaded() -> None:
+    chain = page_hashes(PROMPT, PAGE)
+    policy = CacheAware(index_with(a=chain[:2], b=chain[:2]), PAGE, pending_ttl_s=0)
+    assert policy.choose(RouteRequest(PROMPT), {"a": 3, "b": 1}) == "b"
+
+
+def test_an_overloaded_best_match_yields_to_the_least_loaded() -> None:
+    chain = page_hashes(PROMPT, PAGE)
+    policy = CacheAware(index_with(a=chain, b=[]), PAGE, balance_threshold=4, pending_ttl_s=0)
+    assert policy.choose(RouteRequest(PROMPT), {"a": 4, "b": 0}) == "a"  # at the threshold
+    assert policy.choose(RouteRequest(PROMPT), {"a": 5, "b": 0}) == "b"  # past it
+    assert policy.balanced == 1
+
+
+def test_a_namespace_never_matches_another_namespaces_pages() -> None:
+    chain = page_hashes(PROMPT, PAGE, namespace="tenant-a")
+    policy = CacheAware(index_with(a=chain, b=[]), PAGE, pending_ttl_s=0)
+    assert policy.choose(RouteRequest(PROMPT, "tenant-a"), {"a": 2, "b": 0}) == "a"
+    assert policy.choose(RouteRequest(PROMPT, "tenant-b"), {"a": 2, "b": 0}) == "b"
+    assert policy.choose(RouteRequest(PROMPT), {"a": 2, "b": 0}) == "b"
+
+
+def test_requests_in_flight_hold_their_prefix_until_events_arrive_or_they_expire() -> None:
+    now = [0.0]
+    policy = CacheAware(index_with(a=[], b=[]), PAGE, pending_ttl_s=1.0, clock=lambda: now[0])
+    first = policy.choose(RouteRequest(PROMPT), {"a": 0, "b": 0})
+    other = "b" if first == "a" else "a"
+    # The same new prefix again before any event: it follows the first, though busier.
+    assert policy.choose(RouteRequest(PROMPT + [99]), {first: 1, other: 0}) == first
+    now[0] = 2.0  # expired, and no event ever confirmed it
+    assert policy.choose(RouteRequest(PROMPT), {first: 1, other: 0}) == other
+
+
+def test_a_prompt_shorter_than_a_page_goes_to_the_least_loaded() -> None:
+    policy = CacheAware(index_with(a=[], b=[]), PAGE)
+    assert policy.choose(RouteRequest([1, 2]), {"a": 1, "b": 0}) == "b"
+
+
+def test_a_negative_threshold_is_refused() -> None:
+    with pytest.raises(ValueError, match="balance_threshold"):
+        CacheAware(KVIndex(), PAGE, balance_threshold=-1)
+
+
+def test_text_prefix_affinity_follows_what_it_sent_and_fills_the_smallest_tree() -> None:
+    policy = TextPrefixAffinity()
+    loads = {"a": 0, "b": 0}
+    first = policy.choose(RouteRequest(PROMPT), loads)
+    assert policy.choose(RouteRequest(PROMPT[:12] + [50, 51]), loads) == first
+    other = policy.choose(RouteRequest([70, 71, 72, 73]), loads)  # no match: smaller tree
+    assert other != first
+    # Another tenant's copy of the first prompt matches nothing: the smaller tree again.
+    assert policy.choose(RouteRequest(PROMPT, "tenant"), loads) == other
+
+
+def test_text_prefix_trees_stay_within_their_budget() -> None:
+    policy = TextPrefixAffinity(max_tokens_per_replica=40)
+    for i in range(30):
+        policy.choose(RouteRequest([i * 100 + j for j in range(10)]), {"a": 0})
+        assert policy.tree_tokens("a") <= 40
+
+
+def test_round_robin_and_least_loaded() -> None:
+    rr = RoundRobin()
+    assert [rr.choose(RouteRequest(PROMPT), {"b": 0, "a": 9}) for _ in range(3)] == [
+        "a", "b", "a"
+    ]
+    assert LeastLoaded().choose(RouteRequest(PROMPT), {"a": 2, "b": 1, "c": 3}) == "b"

@@ -27,27 +27,38 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.choices["serve"]
     group = serve.add_argument_group("replicas on Ray Serve")
     group.add_argument(
-        "--replicas", type=int, default=None, metavar="N",
-        help="run N engine replicas on Ray Serve behind a router (default: one engine, "
-        "no Ray)",
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N engine replicas on Ray Serve behind a router (default: one engine, no Ray)",
     )
     group.add_argument(
-        "--router", default="cache_aware", choices=ROUTER_CHOICES,
+        "--router",
+        default="cache_aware",
+        choices=ROUTER_CHOICES,
         help="cache_aware (ours: page hashes from KV events), power_of_two (Ray Serve's "
         "default), prefix_affinity (Ray Serve LLM's PrefixCacheAffinityRouter)",
     )
     group.add_argument(
-        "--balance-threshold", type=int, default=4, metavar="Q",
+        "--balance-threshold",
+        type=int,
+        default=4,
+        metavar="Q",
         help="cache_aware: leave the best-cached replica when its queue exceeds the least "
         "loaded one's by more than Q requests (default 4)",
     )
     group.add_argument(
-        "--max-ongoing-requests", type=int, default=64, metavar="N",
+        "--max-ongoing-requests",
+        type=int,
+        default=64,
+        metavar="N",
         help="requests Ray Serve sends one replica at once (default 64; Ray's 5 would starve "
         "continuous batching)",
     )
     group.add_argument(
-        "--ray-address", default=None,
+        "--ray-address",
+        default=None,
         help="join this Ray cluster ('auto': the one on this machine) instead of starting one",
     )
 
@@ -56,10 +67,12 @@ def serve_replicas(args: argparse.Namespace) -> int:
     """Start Ray (or join it), deploy the application, serve until SIGINT/SIGTERM."""
     threads = args.threads or 1
     for flag, value, low in (
-        ("--replicas", args.replicas, 1), ("--threads", threads, 1),
+        ("--replicas", args.replicas, 1),
+        ("--threads", threads, 1),
         ("--balance-threshold", args.balance_threshold, 0),
         ("--max-ongoing-requests", args.max_ongoing_requests, 1),
-        ("--max-queued", args.max_queued or 1, 1), ("--port", args.port, 0),
+        ("--max-queued", args.max_queued or 1, 1),
+        ("--port", args.port, 0),
     ):
         if value < low:
             print(f"radixkv: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
@@ -85,11 +98,19 @@ def serve_replicas(args: argparse.Namespace) -> int:
         "prefix_cache": not args.no_prefix_cache,
     }
     config = ClusterConfig(
-        replicas=args.replicas, threads=threads, engine=engine, router=args.router,
+        replicas=args.replicas,
+        threads=threads,
+        engine=engine,
+        router=args.router,
         balance_threshold=args.balance_threshold,
-        max_ongoing_requests=args.max_ongoing_requests, model=args.model,
-        server={"model_name": names[0], "extra_model_names": names[1:],
-                "api_key": args.api_key, "max_queued": args.max_queued},
+        max_ongoing_requests=args.max_ongoing_requests,
+        model=args.model,
+        server={
+            "model_name": names[0],
+            "extra_model_names": names[1:],
+            "api_key": args.api_key,
+            "max_queued": args.max_queued,
+        },
     )
     started = time.perf_counter()
     if args.ray_address is None:
@@ -103,7 +124,8 @@ def serve_replicas(args: argparse.Namespace) -> int:
             f"radixkv: {names[0]}: {args.replicas} replicas x {threads} threads, router "
             f"{args.router}, on http://{args.host}:{args.port} (ready in "
             f"{time.perf_counter() - started:.1f} s)",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

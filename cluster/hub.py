@@ -85,9 +85,7 @@ class EventHub:
             ):
                 updates.extend(b for b in recent if b.seq > cursor[1])
             else:
-                updates.append(
-                    KVSnapshot(replica, view.epoch, view.seq, sorted(view.hashes))
-                )
+                updates.append(KVSnapshot(replica, view.epoch, view.seq, sorted(view.hashes)))
         return HubPull(updates, loads)
 
     def stats(self) -> dict[str, Any]:

@@ -113,8 +113,9 @@ class CacheAware:
         """The chain of the whole pages the replica could reuse (never the last token)."""
         tokens = request.token_ids
         usable = max(0, len(tokens) - 1)
-        return page_hashes(tokens[: usable - usable % self.page_size], self.page_size,
-                           request.namespace)
+        return page_hashes(
+            tokens[: usable - usable % self.page_size], self.page_size, request.namespace
+        )
 
     def prefix_pages(self, hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
         """Leading pages each replica holds (per the index) or was just sent (pending)."""
@@ -200,8 +201,7 @@ class TextPrefixAffinity:
             matched = {r: self._match(r, tokens) for r in replicas}
             best = max(matched.values())
             if tokens and best / len(tokens) >= self.match_threshold:
-                chosen = least_loaded([r for r in replicas if matched[r] == best], loads,
-                                      self._rng)
+                chosen = least_loaded([r for r in replicas if matched[r] == best], loads, self._rng)
             else:
                 small = min(self._sizes.get(r, 0) for r in replicas)
                 chosen = self._rng.choice([r for r in replicas if self._sizes.get(r, 0) == small])

@@ -172,8 +172,23 @@ def sum_stats(parts: list[EngineStats]) -> EngineStats | None:
 
 
 ZERO_STATS = EngineStats(
-    requests=0, finished=0, aborted=0, prompt_tokens=0, cached_tokens=0, cached_tokens_host=0,
-    cached_tokens_disk=0, computed_prefill_tokens=0, generated_tokens=0, evicted_pages=0,
-    preemptions=0, failed=0, hit_rate=0.0, pages_total=0, pages_free=0, pages_cached=0,
-    pages_in_use=0, requests_running=0, requests_waiting=0,
+    requests=0,
+    finished=0,
+    aborted=0,
+    prompt_tokens=0,
+    cached_tokens=0,
+    cached_tokens_host=0,
+    cached_tokens_disk=0,
+    computed_prefill_tokens=0,
+    generated_tokens=0,
+    evicted_pages=0,
+    preemptions=0,
+    failed=0,
+    hit_rate=0.0,
+    pages_total=0,
+    pages_free=0,
+    pages_cached=0,
+    pages_in_use=0,
+    requests_running=0,
+    requests_waiting=0,
 )

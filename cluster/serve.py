@@ -68,9 +68,7 @@ class ClusterConfig(msgspec.Struct, frozen=True):
         if self.balance_threshold < 0:
             raise ValueError(f"balance_threshold: must be >= 0, got {self.balance_threshold}")
         if self.max_ongoing_requests < 1:
-            raise ValueError(
-                f"max_ongoing_requests: must be >= 1, got {self.max_ongoing_requests}"
-            )
+            raise ValueError(f"max_ongoing_requests: must be >= 1, got {self.max_ongoing_requests}")
 
 
 # ------------------------------------------------------------------------------ the hub
@@ -174,15 +172,17 @@ class EngineReplica:
 class OpenAIFront:
     """The OpenAI app over a ``RemoteEngine``: requests go out as token ids."""
 
-    def __init__(self, replicas: Any, model: str | None, server: dict[str, Any],
-                 hub_name: str) -> None:
+    def __init__(
+        self, replicas: Any, model: str | None, server: dict[str, Any], hub_name: str
+    ) -> None:
         from engine.model.loader import load_front
 
         self._replicas = replicas
         self._hub = _hub(hub_name)
         self._stats: dict[str, Any] = {}
-        self.engine = RemoteEngine(load_front(model), self._call, self._pool_tokens,
-                                   self._summed_stats)
+        self.engine = RemoteEngine(
+            load_front(model), self._call, self._pool_tokens, self._summed_stats
+        )
         self._server = server
         threading.Thread(target=self._watch_stats, name="radixkv-stats", daemon=True).start()
 
@@ -268,8 +268,9 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Each replica's ongoing requests: probed (as Ray's own routers do), else the last
         load it published."""
-        loads = {r.replica_id.unique_id: self._hub_loads.get(r.replica_id.unique_id, 0)
-                 for r in replicas}
+        loads = {
+            r.replica_id.unique_id: self._hub_loads.get(r.replica_id.unique_id, 0) for r in replicas
+        }
         for replica, queue_len in await self._probe_queue_lens(replicas, 0):
             if queue_len is not None:
                 loads[replica.replica_id.unique_id] = queue_len

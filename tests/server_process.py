@@ -16,7 +16,9 @@ import httpx
 class ServerProcess:
     """A real ``radixkv serve`` subprocess on a free loopback port (the bundled model)."""
 
-    def __init__(self, *args: str, ready_timeout: float = 180.0) -> None:
+    def __init__(
+        self, *args: str, ready_timeout: float = 180.0, module: str = "server.cli"
+    ) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -25,7 +27,7 @@ class ServerProcess:
         command = [
             sys.executable,
             "-m",
-            "server.cli",
+            module,
             "serve",
             "--port",
             str(self.port),

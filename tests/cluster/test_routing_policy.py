@@ -96,7 +96,5 @@ def test_text_prefix_trees_stay_within_their_budget() -> None:
 
 def test_round_robin_and_least_loaded() -> None:
     rr = RoundRobin()
-    assert [rr.choose(RouteRequest(PROMPT), {"b": 0, "a": 9}) for _ in range(3)] == [
-        "a", "b", "a"
-    ]
+    assert [rr.choose(RouteRequest(PROMPT), {"b": 0, "a": 9}) for _ in range(3)] == ["a", "b", "a"]
     assert LeastLoaded().choose(RouteRequest(PROMPT), {"a": 2, "b": 1, "c": 3}) == "b"

@@ -109,6 +109,11 @@ class KVIndex:
     def view(self, replica: str) -> ReplicaView | None:
         return self._replicas.get(replica)
 
+    def held(self, replica: str) -> int:
+        """How many pages the replica holds (0 for one never heard of)."""
+        view = self._replicas.get(replica)
+        return len(view.hashes) if view is not None else 0
+
     def stale(self) -> list[str]:
         """Replicas waiting for a snapshot."""
         return [name for name, view in self._replicas.items() if view.stale]

@@ -5,11 +5,17 @@ Every policy sees a ``RouteRequest`` (the prompt's token ids, its namespace) and
 replicas' current loads (requests queued or running), and names one replica.
 
 - ``CacheAware`` (ours): the replica holding the longest prefix of the prompt's page-hash
-  chain, from the replicas' KV events (``KVIndex``); ties go to the less loaded. When that
-  replica's load exceeds the least loaded one's by more than ``balance_threshold``, the least
-  loaded of two random choices instead. Requests routed in the last ``pending_ttl_s`` count
-  as held by their replica until its events catch up, so a burst of one new prefix lands
-  together.
+  chain, from the replicas' KV events (``KVIndex``); ties go to the less loaded, then to the
+  one sent fewer requests lately, then to the one holding fewer pages. A prefix taking a
+  share ``s`` of the recent requests (decayed counts, half-life ``window_s``) may live on
+  ``ceil(s * N * (1 + spread))`` replicas: while it has fewer copies and a replica without
+  it is less busy than all that have it, the request goes there and makes one more copy
+  (only past ``HOT_MIN_REQUESTS`` recent requests: a share of little traffic is noise).
+  Without this a hot prefix pins one replica while the queues stay short. When the chosen
+  replica's queue exceeds the least loaded one's by more than ``balance_threshold``, the
+  least loaded of two random choices instead. Requests routed in the last
+  ``pending_ttl_s`` count as held by their replica until its events catch up, so a burst of
+  one new prefix lands together.
 - ``TextPrefixAffinity``: what text-prefix routers do (SGLang's ``cache_aware``, Ray Serve
   LLM's ``PrefixCacheAffinityRouter``): an approximate tree of the prompts each replica was
   sent, matched character by character (token by token here), with no knowledge of
@@ -19,6 +25,7 @@ replicas' current loads (requests queued or running), and names one replica.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import OrderedDict
@@ -83,8 +90,12 @@ class LeastLoaded:
         return least_loaded(list(loads), loads, self._rng)
 
 
+HOT_MIN_REQUESTS = 3  # a prefix seen fewer times lately is never copied (its share is noise)
+
+
 class CacheAware:
-    """Longest cached prefix by page hash, bounded by a load-balance threshold."""
+    """Longest cached prefix by page hash, hot prefixes copied by their share of traffic,
+    bounded by a load-balance threshold."""
 
     name = "cache_aware"
 
@@ -96,18 +107,33 @@ class CacheAware:
         pending_ttl_s: float = 2.0,
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        spread: float = 0.2,
+        window_s: float = 60.0,
+        max_tracked: int = 1 << 16,
     ) -> None:
         if balance_threshold < 0:
             raise ValueError(f"balance_threshold: must be >= 0, got {balance_threshold}")
+        if spread < 0:
+            raise ValueError(f"spread: must be >= 0, got {spread}")
+        if window_s <= 0:
+            raise ValueError(f"window_s: must be > 0, got {window_s}")
         self.index = index
         self.page_size = page_size
         self.balance_threshold = balance_threshold
         self.pending_ttl_s = pending_ttl_s
+        self.spread = spread
+        self.window_s = window_s
+        self.max_tracked = max_tracked
         self._rng = random.Random(seed)
         self._clock = clock
         # Recently routed chains not yet confirmed by events: hash -> (replica, expiry).
         self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()
-        self.balanced = 0  # requests sent away from their best match for load
+        # Decayed request counts (count, as of when): per replica, per reused prefix, in all.
+        self._recent: dict[str, tuple[float, float]] = {}
+        self._traffic: OrderedDict[int, tuple[float, float]] = OrderedDict()
+        self._total = (0.0, 0.0)
+        self.balanced = 0  # requests sent away from their best match for queue load
+        self.copied = 0  # requests that put a hot prefix on one more replica
 
     def hashes(self, request: RouteRequest) -> list[int]:
         """The chain of the whole pages the replica could reuse (never the last token)."""
@@ -143,13 +169,55 @@ class CacheAware:
         hashes = self.hashes(request)
         replicas = list(loads)
         depth = self.prefix_pages(hashes, replicas)
+        now = self._clock()
+        recent = {r: self._decayed(self._recent.get(r), now) for r in replicas}
+
+        def rank(r: str) -> tuple[int, float, int]:
+            return loads[r], recent[r], self.index.held(r)
+
         best_depth = max(depth.values())
-        best = least_loaded([r for r in replicas if depth[r] == best_depth], loads, self._rng)
+        holders = [r for r in replicas if depth[r] == best_depth]
+        # The request loads every cached prefix it extends (a session's next turn loads its
+        # tenant's system prompt too): count it under each, decide on the deepest.
+        total = self._decayed(self._total, now) + 1.0
+        self._total = (total, now)
+        count = 0.0
+        for d in sorted({d for d in depth.values() if d}):
+            count = self._count_traffic(hashes[d - 1], now)
+        share = count / total
+        if best_depth and len(holders) < len(replicas) and count >= HOT_MIN_REQUESTS:
+            # A hot prefix gets one more copy, on the least busy replica without it, while it
+            # has fewer copies than its share of traffic calls for, or while every replica
+            # holding it is over the cap of recent requests. Cold prefixes always stay.
+            copies = math.ceil(share * len(replicas) * (1 + self.spread))
+            cap = sum(recent.values()) / len(replicas) * (1 + self.spread) + 1.0
+            if len(holders) < copies or all(recent[r] > cap for r in holders):
+                newcomer = min((r for r in replicas if depth[r] < best_depth), key=rank)
+                if rank(newcomer) < min(rank(r) for r in holders):
+                    holders = [newcomer]
+                    self.copied += 1
+        low = min(rank(r) for r in holders)
+        best = self._rng.choice([r for r in holders if rank(r) == low])
         if loads[best] - min(loads.values()) > self.balance_threshold:
             self.balanced += 1
             best = two_choices(loads, self._rng)
+        self._recent[best] = (recent[best] + 1.0, now)
         self._remember(hashes, best)
         return best
+
+    def _decayed(self, entry: tuple[float, float] | None, now: float) -> float:
+        if entry is None:
+            return 0.0
+        count, when = entry
+        return count * 0.5 ** ((now - when) / self.window_s)
+
+    def _count_traffic(self, key: int, now: float) -> float:
+        """Count one request reusing ``key``; returns its recent requests."""
+        count = self._decayed(self._traffic.pop(key, None), now) + 1.0
+        self._traffic[key] = (count, now)
+        if len(self._traffic) > self.max_tracked:
+            self._traffic.popitem(last=False)
+        return count
 
     def _remember(self, hashes: Sequence[int], replica: str) -> None:
         if self.pending_ttl_s <= 0:

@@ -201,6 +201,49 @@ def sessions(tokenizer: TextTokenizer, params: SessionsParams, seed: int,
     return Trace("sessions", seed, msgspec.to_builtins(params), {}, tuple(out))
 
 
+class TenantsParams(msgspec.Struct, frozen=True):
+    """Multi-tenant chat: many system prompts (one per tenant, tenants Zipf-popular), each
+    session a user of one tenant, sessions arriving as a Poisson process. What a router in
+    front of replicas must keep apart: a tenant's prompt is worth caching on one replica."""
+
+    tenants: int = 12
+    sessions: int = 48
+    turns: int = 2
+    system_tokens: int = 320
+    user_tokens: int = 32
+    max_new_tokens: int = 16
+    zipf_s: float = 0.8
+    arrival_rate: float = 2.0  # new sessions per second; 0: all at once
+
+
+def tenants(tokenizer: TextTokenizer, params: TenantsParams, seed: int,
+            source: TextSource | None = None) -> Trace:
+    _positive(params, allow_zero=("zipf_s", "arrival_rate"))
+    source = source or TextSource(tokenizer)
+    rng = random.Random(seed)
+    systems = [
+        source.fit(f"Tenant {t}. " + CHAT_PERSONA
+                   + source.paragraphs_text(params.system_tokens, rng), params.system_tokens)
+        for t in range(params.tenants)
+    ]
+    weights = zipf_weights(params.tenants, params.zipf_s)
+    starts = _arrivals(rng, params.sessions, params.arrival_rate)
+    out = []
+    for user in range(params.sessions):
+        tenant = rng.choices(range(params.tenants), weights)[0]
+        turns = tuple(
+            Turn(
+                user=_question(source, rng.choice(source.corpus.documented), rng,
+                               params.user_tokens),
+                max_new_tokens=params.max_new_tokens,
+            )
+            for _ in range(params.turns)
+        )
+        out.append(Session(f"tenant{tenant}-user{user}", turns, system=systems[tenant],
+                           arrival_s=starts[user]))
+    return Trace("tenants", seed, msgspec.to_builtins(params), {}, tuple(out))
+
+
 def zipf_weights(count: int, s: float) -> list[float]:
     """Normalised Zipf weights 1/r^s for ranks 1..count."""
     raw = [1.0 / (r**s) for r in range(1, count + 1)]
@@ -370,6 +413,7 @@ WORKLOADS: dict[str, tuple[type[msgspec.Struct], Generator]] = {
     "shared-prefix": (SharedPrefixParams, shared_prefix),
     "unique": (UniqueParams, unique),
     "sessions": (SessionsParams, sessions),
+    "tenants": (TenantsParams, tenants),
 }
 
 

@@ -8,6 +8,7 @@ grouping: a prompt page hits if any earlier request (in submission order) comput
 
     python -m workloads.simulate                      # every trace, policy, capacity
     python -m workloads.simulate --traces rag --policies lpm fcfs --capacities 1 0.1
+    python -m workloads.simulate --replicas 2 8 64 --router all   # a cluster: simulate_cluster
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -200,6 +202,12 @@ def format_table(results: Sequence[SimResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--replicas" in argv:  # many replicas behind a router: workloads.simulate_cluster
+        from workloads.simulate_cluster import main as cluster_main
+
+        cluster_main(argv)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", nargs="*", default=list(TRACES), choices=list(TRACES))
     parser.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))

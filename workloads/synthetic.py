@@ -127,3 +127,80 @@ TRACES: dict[str, Callable[[], SimTrace]] = {
     "unique": unique,
     "bursts": bursts,
 }
+
+
+# --------------------------------------------------------------------- cluster traces
+# Thousands of sessions arriving over time, for routing across replicas
+# (``workloads.simulate --replicas``). Kept apart from TRACES so the single-engine table
+# stays quick.
+
+
+def _zipf_picks(rng: np.random.Generator, n: int, size: int, s: float) -> np.ndarray:
+    weights = 1.0 / np.arange(1, n + 1) ** s
+    return rng.choice(n, size=size, p=weights / weights.sum())
+
+
+def _arrivals(rng: np.random.Generator, size: int, spacing: float) -> list[int]:
+    """Poisson arrivals: ``size`` steps with exponential gaps of mean ``spacing``."""
+    return np.floor(np.cumsum(rng.exponential(spacing, size=size))).astype(int).tolist()
+
+
+def tenants(
+    seed: int = 5, prompts: int = 200, sessions: int = 3000, system: tuple[int, int] = (150, 450),
+    turns: tuple[int, int] = (1, 4), user: tuple[int, int] = (10, 60),
+    reply: tuple[int, int] = (8, 40), zipf: float = 1.0, namespaces: int = 4,
+    namespaced: float = 0.2, spacing: float = 1.0,
+) -> SimTrace:
+    """Multi-tenant chat: 3,000 sessions of 1-4 short turns, each on one of 200 system prompts
+    (150-450 tokens, Zipf 1.0 popularity), one arriving every ``spacing`` steps on average so
+    that many overlap. A fifth of the sessions belong to one of 4 namespaced tenants, who
+    draw from the same prompts: the same prompt in two namespaces shares nothing."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(system[0], system[1] + 1, size=prompts)
+    shared = [_tokens(rng, int(n)) for n in lengths]
+    picks = _zipf_picks(rng, prompts, sessions, zipf)
+    arrivals = _arrivals(rng, sessions, spacing)
+    out = []
+    for k, arrival in zip(picks, arrivals):
+        namespace = None
+        if rng.random() < namespaced:
+            namespace = f"tenant-{int(rng.integers(namespaces))}"
+        session_turns = [
+            SimTurn(_tokens(rng, int(rng.integers(user[0], user[1] + 1))),
+                    int(rng.integers(reply[0], reply[1] + 1)))
+            for _ in range(int(rng.integers(turns[0], turns[1] + 1)))
+        ]
+        out.append(SimSession(shared[k], session_turns, arrival, namespace))
+    return SimTrace("tenants", out)
+
+
+def rag_corpus(
+    seed: int = 6, documents: int = 400, doc_tokens: tuple[int, int] = (300, 900),
+    queries: int = 3000, zipf: float = 1.0, system: int = 64, question: tuple[int, int] = (16, 64),
+    reply: tuple[int, int] = (8, 32), spacing: float = 0.5,
+) -> SimTrace:
+    """RAG over a corpus: 3,000 one-turn queries, each a 64-token system prompt, one of 400
+    documents (300-900 tokens, Zipf 1.0 popularity) and a short question, two arriving per
+    step on average."""
+    rng = np.random.default_rng(seed)
+    system_tokens = _tokens(rng, system)
+    lengths = rng.integers(doc_tokens[0], doc_tokens[1] + 1, size=documents)
+    docs = [_tokens(rng, int(n)) for n in lengths]
+    picks = _zipf_picks(rng, documents, queries, zipf)
+    arrivals = _arrivals(rng, queries, spacing)
+    sessions = [
+        SimSession(
+            system_tokens + docs[d],
+            [SimTurn(_tokens(rng, int(rng.integers(question[0], question[1] + 1))),
+                     int(rng.integers(reply[0], reply[1] + 1)))],
+            arrival,
+        )
+        for d, arrival in zip(picks, arrivals)
+    ]
+    return SimTrace("rag_corpus", sessions)
+
+
+CLUSTER_TRACES: dict[str, Callable[[], SimTrace]] = {
+    "tenants": tenants,
+    "rag_corpus": rag_corpus,
+}

@@ -48,11 +48,10 @@ def test_an_overloaded_best_match_yields_to_the_least_loaded() -> None:
 
 
 def test_a_namespace_never_matches_another_namespaces_pages() -> None:
-    chain = page_hashes(PROMPT, PAGE, namespace="tenant-a")
-    policy = CacheAware(index_with(a=chain, b=[]), PAGE, pending_ttl_s=0)
-    assert policy.choose(RouteRequest(PROMPT, "tenant-a"), {"a": 2, "b": 0}) == "a"
-    assert policy.choose(RouteRequest(PROMPT, "tenant-b"), {"a": 2, "b": 0}) == "b"
-    assert policy.choose(RouteRequest(PROMPT), {"a": 2, "b": 0}) == "b"
+    index = index_with(a=page_hashes(PROMPT, PAGE, namespace="tenant-a"), b=[])
+    for namespace, where in (("tenant-a", "a"), ("tenant-b", "b"), (None, "b")):
+        policy = CacheAware(index, PAGE, pending_ttl_s=0)
+        assert policy.choose(RouteRequest(PROMPT, namespace), {"a": 2, "b": 0}) == where
 
 
 def test_requests_in_flight_hold_their_prefix_until_events_arrive_or_they_expire() -> None:
@@ -98,3 +97,24 @@ def test_round_robin_and_least_loaded() -> None:
     rr = RoundRobin()
     assert [rr.choose(RouteRequest(PROMPT), {"b": 0, "a": 9}) for _ in range(3)] == ["a", "b", "a"]
     assert LeastLoaded().choose(RouteRequest(PROMPT), {"a": 2, "b": 1, "c": 3}) == "b"
+
+
+def test_a_hot_prefix_is_copied_to_more_replicas_and_a_cold_one_never() -> None:
+    chain = page_hashes(PROMPT, PAGE)
+    names = ["a", "b", "c", "d"]
+    now = [0.0]
+    index = index_with(a=chain, b=[], c=[], d=[])
+    policy = CacheAware(index, PAGE, pending_ttl_s=0, clock=lambda: now[0])
+    loads = dict.fromkeys(names, 0)
+    cold = [[100 + 10 * i + j for j in range(17)] for i in range(12)]
+    chosen = []
+    for i in range(12):  # the hot prompt half the time, the rest each seen once
+        chosen.append(policy.choose(RouteRequest(PROMPT + [i]), loads))
+        policy.choose(RouteRequest(cold[i]), loads)
+        now[0] += 0.1
+    assert policy.copied > 0 and len(set(chosen)) > 1  # spread over more than its home
+    assert chosen[0] == "a"  # before it is known to be hot, it stays where it is cached
+    # A prompt only ever seen where it is cached stays there, however busy that replica was.
+    lone = [7] * 17
+    index.resync(KVSnapshot("a", 1, 0, chain + page_hashes(lone, PAGE)))
+    assert policy.choose(RouteRequest(lone), loads) == "a"

@@ -12,8 +12,9 @@ replicas' current loads (requests queued or running), and names one replica.
   it is less busy than all that have it, the request goes there and makes one more copy
   (only past ``HOT_MIN_REQUESTS`` recent requests: a share of little traffic is noise).
   Without this a hot prefix pins one replica while the queues stay short. When the chosen
-  replica's queue exceeds the least loaded one's by more than ``balance_threshold``, the
-  least loaded of two random choices instead. Requests routed in the last
+  replica's queue exceeds the least loaded one's by more than ``balance_threshold`` and is
+  more than ``balance_ratio`` times it, the least loaded of two random choices instead
+  (under a burst every queue is long: 28 against 24 is no reason to recompute a prefix). Requests routed in the last
   ``pending_ttl_s`` count as held by their replica until its events catch up, so a burst of
   one new prefix lands together.
 - ``TextPrefixAffinity``: what text-prefix routers do (SGLang's ``cache_aware``, Ray Serve
@@ -110,6 +111,7 @@ class CacheAware:
         spread: float = 0.2,
         window_s: float = 60.0,
         max_tracked: int = 1 << 16,
+        balance_ratio: float = 1.5,
     ) -> None:
         if balance_threshold < 0:
             raise ValueError(f"balance_threshold: must be >= 0, got {balance_threshold}")
@@ -117,6 +119,9 @@ class CacheAware:
             raise ValueError(f"spread: must be >= 0, got {spread}")
         if window_s <= 0:
             raise ValueError(f"window_s: must be > 0, got {window_s}")
+        if balance_ratio < 1:
+            raise ValueError(f"balance_ratio: must be >= 1, got {balance_ratio}")
+        self.balance_ratio = balance_ratio
         self.index = index
         self.page_size = page_size
         self.balance_threshold = balance_threshold
@@ -198,7 +203,11 @@ class CacheAware:
                     self.copied += 1
         low = min(rank(r) for r in holders)
         best = self._rng.choice([r for r in holders if rank(r) == low])
-        if loads[best] - min(loads.values()) > self.balance_threshold:
+        least = min(loads.values())
+        if (
+            loads[best] - least > self.balance_threshold
+            and loads[best] > self.balance_ratio * least
+        ):
             self.balanced += 1
             best = two_choices(loads, self._rng)
         self._recent[best] = (recent[best] + 1.0, now)

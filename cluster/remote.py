@@ -105,15 +105,19 @@ class RemoteEngine:
         return handle
 
     async def _pump(self, call: EngineCall, handle: RequestHandle) -> None:
+        stream = self._stream(call)
         try:
-            async for item in self._stream(call):
+            async for item in stream:
                 if isinstance(item, Delta):
                     handle.put(item)
                 elif isinstance(item, RequestOutput):
                     handle.put(Done(item))
                     return
             handle.put(Failed(RuntimeError("the replica ended the stream without an output")))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # aborted: stop the replica's generator too
+            cancel = getattr(stream, "cancel", None)
+            if callable(cancel):
+                cancel()
             handle.put(Failed(RuntimeError("aborted")))
             raise
         except BaseException as exc:  # the replica's error, re-raised by the app

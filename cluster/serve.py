@@ -173,17 +173,23 @@ class OpenAIFront:
     """The OpenAI app over a ``RemoteEngine``: requests go out as token ids."""
 
     def __init__(
-        self, replicas: Any, model: str | None, server: dict[str, Any], hub_name: str
+        self,
+        replicas: Any,
+        model: str | None,
+        server: dict[str, Any],
+        hub_name: str,
+        page_size: int,
     ) -> None:
         from engine.model.loader import load_front
 
         self._replicas = replicas
         self._hub = _hub(hub_name)
+        self._page_size = page_size
         self._stats: dict[str, Any] = {}
         self.engine = RemoteEngine(
             load_front(model), self._call, self._pool_tokens, self._summed_stats
         )
-        self._server = server
+        self._server = server  # ServerConfig keyword arguments
         threading.Thread(target=self._watch_stats, name="radixkv-stats", daemon=True).start()
 
     def _call(self, call: EngineCall) -> Any:
@@ -198,12 +204,9 @@ class OpenAIFront:
             time.sleep(0.5)
 
     def _pool_tokens(self) -> int | None:
-        pools = [s.pages_total * self.engine_page_size for s in self._stats.values()]
+        """The smallest replica's KV pool in tokens (None until one has reported)."""
+        pools = [s.pages_total * self._page_size for s in self._stats.values()]
         return min(pools) if pools else None
-
-    @property
-    def engine_page_size(self) -> int:
-        return int(self._server.get("page_size", 16))
 
     def _summed_stats(self) -> Any:
         return sum_stats(list(self._stats.values()))
@@ -215,8 +218,7 @@ class OpenAIFront:
 
         from server.app import ServerConfig, create_app
 
-        config = {k: v for k, v in self._server.items() if k != "page_size"}
-        app = create_app(self.engine, ServerConfig(**config))
+        app = create_app(self.engine, ServerConfig(**self._server))
 
         async def replicas(request: Request) -> JSONResponse:
             """Per-replica engine stats (requests, hit rate, load): what the bench reads."""
@@ -342,5 +344,5 @@ def build_app(config: ClusterConfig) -> Any:
         ray_actor_options={"num_cpus": config.threads},
         request_router_config=router_config(config),
     ).bind({**config.engine, "model": config.model}, config.threads, config.hub_name)
-    server = {**config.server, "page_size": int(config.engine.get("page_size", 16))}
-    return OpenAIFront.bind(replicas, config.model, server, config.hub_name)
+    page_size = int(config.engine.get("page_size", 16))
+    return OpenAIFront.bind(replicas, config.model, config.server, config.hub_name, page_size)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
+
+from workloads.replica_bench import free_port
 
 
 class ServerProcess:
@@ -19,9 +20,7 @@ class ServerProcess:
     def __init__(
         self, *args: str, ready_timeout: float = 180.0, module: str = "server.cli"
     ) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="radixkv-serve-", suffix=".log")
         command = [

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -34,9 +35,10 @@ from workloads import serve_bench
 
 ROUTERS = ("cache_aware", "prefix_affinity", "power_of_two")
 # Sized for a 2-core machine: each trace's distinct prefixes fill more than one replica's pool.
+# Arrivals are serve_bench's (--request-rate), not the traces' own.
 WORKLOADS: dict[str, list[str]] = {
-    "tenants": ["tenants=12", "sessions=48", "turns=2", "arrival_rate=2"],
-    "rag": ["documents=16", "doc_tokens=320", "requests=64", "arrival_rate=2"],
+    "tenants": ["tenants=12", "sessions=48", "turns=2"],
+    "rag": ["documents=12", "doc_tokens=320", "requests=64"],
 }
 
 
@@ -59,13 +61,26 @@ class ReplicaRun:
         return self.per_replica[0] / mean if mean else 1.0
 
 
+def free_port() -> int:
+    """A free loopback port below the OS's ephemeral range and above Ray's worker ports
+    (10002-19999): a port the OS handed out could be taken by one of Ray's many processes
+    before the server binds it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
 class ReplicaServer:
     """``radixkv serve --replicas N`` as a subprocess on a free loopback port."""
 
     def __init__(self, args: list[str], ready_timeout: float = 300.0) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="radixkv-replicas-", suffix=".log")
         command = [
@@ -177,9 +192,13 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaRun]:
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--num-pages", type=int, default=160, help="KV pages per replica")
+    parser.add_argument("--num-pages", type=int, default=192, help="KV pages per replica")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--request-rate", default="inf",
+        help="sessions per second, Poisson (serve_bench's; inf: all at once, an overload)",
+    )
     parser.add_argument("--json", default=None, help="also write every run here")
     args = parser.parse_args(argv)
     runs: list[ReplicaRun] = []
@@ -199,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaRun]:
             )
             try:
                 for workload in args.workloads:
-                    run = run_once(server, workload, router, repeat, args.seed)
+                    run = run_once(server, workload, router, repeat, args.seed, args.request_rate)
                     runs.append(run)
                     print(format_table([run]).splitlines()[-1], flush=True)
             finally:

@@ -119,6 +119,7 @@ def test_bad_input_is_a_400_naming_the_field(cluster_url: str) -> None:
 def test_every_page_is_accounted_for_after_a_client_leaves_mid_stream(
     client: Any, cluster_url: str
 ) -> None:
+    aborted_before = sum(s["aborted"] for s in replicas(cluster_url).values())
     stream = client.completions.create(
         model="SmolLM2-135M-Instruct",
         prompt="Tell me a very long story about a lighthouse",
@@ -141,6 +142,7 @@ def test_every_page_is_accounted_for_after_a_client_leaves_mid_stream(
             break
         time.sleep(0.5)
     assert len(stats) == 2
+    assert sum(s["aborted"] for s in stats.values()) == aborted_before + 1  # not run to the end
     for s in stats.values():
         assert s["pages_free"] + s["pages_cached"] == s["pages_total"], s
         assert s["requests_running"] == 0 and s["pages_in_use"] == 0, s

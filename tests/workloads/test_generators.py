@@ -131,3 +131,15 @@ def test_sessions_give_every_user_a_context_of_their_own(tokenizer, source):
     contexts = [s.system for s in trace.sessions]
     assert len(set(contexts)) == 5, "two users share a context: nothing would be pushed out"
     assert all(len(encode(tokenizer, c)) <= 120 for c in contexts)
+
+
+def test_tenants_share_a_system_prompt_per_tenant_and_arrive_over_time(tokenizer, source):
+    trace = generate("tenants", tokenizer, 0, source=source, overrides={
+        "tenants": 4, "sessions": 30, "system_tokens": 100, "arrival_rate": 5.0})
+    assert len(trace.sessions) == 30
+    systems = {s.system for s in trace.sessions}
+    assert 1 < len(systems) <= 4  # popular tenants repeat, no more prompts than tenants
+    by_tenant = {s.id.split("-")[0]: s.system for s in trace.sessions}
+    assert len(set(by_tenant.values())) == len(by_tenant)  # one prompt per tenant
+    arrivals = [s.arrival_s for s in trace.sessions]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0

@@ -137,10 +137,11 @@ def served(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) 
 
 
 def run_once(
-    server: ReplicaServer, workload: str, router: str, repeat: int, seed: int
+    server: ReplicaServer, workload: str, router: str, repeat: int, seed: int, rate: str = "inf"
 ) -> ReplicaRun:
     before = server.replicas()
     argv = ["--url", server.url, "--workload", workload, "--seed", str(seed), "--quiet"]
+    argv += ["--request-rate", rate]
     for item in WORKLOADS[workload]:
         argv += ["--set", item]
     report = serve_bench.main(argv)

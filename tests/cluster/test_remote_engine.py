@@ -1,0 +1,76 @@
+"""The front end's RemoteEngine: validation happens before anything is sent, and the
+replicas' stats add up to one engine's."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from cluster.remote import ZERO_STATS, EngineCall, RemoteEngine, sum_stats
+from engine import SamplingParams
+from engine.model.loader import load_front
+
+
+@pytest.fixture(scope="module")
+def front() -> Any:
+    return load_front()
+
+
+def test_bad_requests_are_refused_before_any_replica_sees_them(front: Any) -> None:
+    sent: list[EngineCall] = []
+
+    def stream(call: EngineCall) -> Any:
+        sent.append(call)
+        raise AssertionError("nothing should be sent")
+
+    remote = RemoteEngine(front, stream, lambda: 64)
+
+    async def submit(**kwargs: Any) -> None:
+        remote.submit(**kwargs)
+
+    for kwargs, field in (
+        ({"prompt": "hi", "params": SamplingParams(max_new_tokens=10), "namespace": 5},
+         "namespace"),
+        ({"prompt": [front.config.vocab_size], "params": None}, "prompt"),
+        ({"prompt": "hi " * 40, "params": SamplingParams(max_new_tokens=40)}, "prompt"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            asyncio.run(submit(**kwargs))
+    assert sent == []
+
+
+def test_a_request_goes_out_as_token_ids_with_its_text(front: Any) -> None:
+    sent: list[EngineCall] = []
+
+    async def stream(call: EngineCall) -> Any:
+        sent.append(call)
+        return
+        yield
+
+    remote = RemoteEngine(front, stream, lambda: None)
+
+    async def run() -> None:
+        handle = remote.submit("Hello there", SamplingParams(max_new_tokens=3), "tenant")
+        with pytest.raises(RuntimeError, match="without an output"):
+            await handle.aresult()
+
+    asyncio.run(run())
+    [call] = sent
+    assert call.token_ids == front.tokenizer.encode("Hello there")
+    assert call.namespace == "tenant" and call.prompt == "Hello there"
+
+
+def test_replicas_stats_add_up_and_the_hit_rate_is_recomputed() -> None:
+    a = msgspec.structs.replace(ZERO_STATS, requests=3, prompt_tokens=100, cached_tokens=50,
+                                pages_total=64, pages_free=64, kv_compute_s_per_page=0.02)
+    b = msgspec.structs.replace(ZERO_STATS, requests=1, prompt_tokens=100, cached_tokens=0,
+                                pages_total=64, pages_free=60, pages_cached=4)
+    total = sum_stats([a, b])
+    assert total is not None
+    assert (total.requests, total.pages_total, total.pages_free) == (4, 128, 124)
+    assert total.hit_rate == pytest.approx(0.25)
+    assert total.kv_compute_s_per_page == pytest.approx(0.02)  # the one replica that measured
+    assert sum_stats([]) is None

@@ -14,6 +14,7 @@ every node, ``radixkv serve --replicas N --ray-address auto`` on one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -111,6 +112,7 @@ class EngineReplica:
         self.name = serve.get_replica_context().replica_id.unique_id
         self.publisher = KVEventPublisher(self.name)
         self.engine.subscribe_kv(self.publisher.on_event)
+        self._hub_name = hub_name
         self.hub = _hub(hub_name)
         ray.get(self.hub.publish_snapshot.remote(self.publisher.snapshot()))
         self._stop = threading.Event()
@@ -155,6 +157,8 @@ class EngineReplica:
                 log.exception("publishing KV events failed; resyncing")
                 resync = True
                 time.sleep(1.0)
+                with contextlib.suppress(Exception):  # a restarted hub is a new actor
+                    self.hub = _hub(self._hub_name)
 
     def __del__(self) -> None:
         if hasattr(self, "_stop"):

@@ -32,8 +32,10 @@ def test_bad_requests_are_refused_before_any_replica_sees_them(front: Any) -> No
         remote.submit(**kwargs)
 
     for kwargs, field in (
-        ({"prompt": "hi", "params": SamplingParams(max_new_tokens=10), "namespace": 5},
-         "namespace"),
+        (
+            {"prompt": "hi", "params": SamplingParams(max_new_tokens=10), "namespace": 5},
+            "namespace",
+        ),
         ({"prompt": [front.config.vocab_size], "params": None}, "prompt"),
         ({"prompt": "hi " * 40, "params": SamplingParams(max_new_tokens=40)}, "prompt"),
     ):
@@ -64,10 +66,24 @@ def test_a_request_goes_out_as_token_ids_with_its_text(front: Any) -> None:
 
 
 def test_replicas_stats_add_up_and_the_hit_rate_is_recomputed() -> None:
-    a = msgspec.structs.replace(ZERO_STATS, requests=3, prompt_tokens=100, cached_tokens=50,
-                                pages_total=64, pages_free=64, kv_compute_s_per_page=0.02)
-    b = msgspec.structs.replace(ZERO_STATS, requests=1, prompt_tokens=100, cached_tokens=0,
-                                pages_total=64, pages_free=60, pages_cached=4)
+    a = msgspec.structs.replace(
+        ZERO_STATS,
+        requests=3,
+        prompt_tokens=100,
+        cached_tokens=50,
+        pages_total=64,
+        pages_free=64,
+        kv_compute_s_per_page=0.02,
+    )
+    b = msgspec.structs.replace(
+        ZERO_STATS,
+        requests=1,
+        prompt_tokens=100,
+        cached_tokens=0,
+        pages_total=64,
+        pages_free=60,
+        pages_cached=4,
+    )
     total = sum_stats([a, b])
     assert total is not None
     assert (total.requests, total.pages_total, total.pages_free) == (4, 128, 124)

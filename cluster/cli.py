@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from engine.serving import cli as engine_cli
 from server import cli as server_cli
 
-ROUTER_CHOICES = ("cache_aware", "power_of_two", "prefix_affinity")
+ROUTERS = ("cache_aware", "power_of_two", "prefix_affinity")  # what --router can name
 
 
 def add_serve(commands: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--router",
         default="cache_aware",
-        choices=ROUTER_CHOICES,
+        choices=ROUTERS,
         help="cache_aware (ours: page hashes from KV events), power_of_two (Ray Serve's "
         "default), prefix_affinity (Ray Serve LLM's PrefixCacheAffinityRouter)",
     )

@@ -21,9 +21,8 @@ import msgspec
 from engine.model.loader import ModelFront
 from engine.serving.handle import Delta, Done, Failed, RequestHandle
 from engine.serving.outputs import RequestOutput
-from engine.serving.prompts import encode_prompt, split_prompts
+from engine.serving.prompts import encode_one, prepare_prompts
 from engine.serving.stats import EngineStats
-from engine.serving.validation import check_fits, check_namespace, check_params
 from scheduler import SamplingParams
 
 
@@ -76,10 +75,7 @@ class RemoteEngine:
         return not self._closed
 
     def encode(self, prompt: Any, field: str = "prompt") -> list[int]:
-        items = split_prompts(prompt)
-        if len(items) != 1:
-            raise ValueError(f"{field}: expected one prompt, got a list of {len(items)}")
-        return encode_prompt(self.tokenizer, items[0], self._front.config.vocab_size, field)
+        return encode_one(self.tokenizer, prompt, self._front.config.vocab_size, field)
 
     def submit(
         self,
@@ -88,13 +84,14 @@ class RemoteEngine:
         namespace: str | None = None,
         stream: bool = False,
     ) -> RequestHandle:
-        """Validates here (ValueError naming the field) and starts the remote request."""
-        check_namespace(namespace)
-        [p] = check_params(params, 1, self._front.config.vocab_size)
-        ids = self.encode(prompt)
-        pool = self._pool_tokens()  # None until a replica reported; the replica checks too
-        pool = pool if pool is not None else self.max_context + p.max_new_tokens
-        check_fits(len(ids), p.max_new_tokens, self.max_context, pool, "prompt")
+        """Validates here, as an Engine does (ValueError naming the field), and starts the
+        remote request."""
+        pool = self._pool_tokens()  # None until a replica reported (the context bounds it)
+        pool = pool if pool is not None else self.max_context
+        [(ids, p)] = prepare_prompts(
+            self.tokenizer, self._front.config.vocab_size, self.max_context, pool,
+            prompt, params, namespace, single=True,
+        )
         text = self.tokenizer.decode(ids)
         call = EngineCall(ids, p, namespace, stream, text)
         request_id = next(self._ids)

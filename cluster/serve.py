@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from cluster.cli import ROUTERS
 from cluster.events import KVEventBatch, KVEventPublisher
 from cluster.hub import EventHub
 from cluster.index import KVIndex
@@ -36,7 +37,6 @@ from cluster.remote import EngineCall, RemoteEngine, sum_stats
 log = logging.getLogger("radixkv.cluster")
 
 HUB_NAMESPACE = "radixkv"
-ROUTERS = ("cache_aware", "power_of_two", "prefix_affinity")
 _RAY_ROUTERS = {
     "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
     "prefix_affinity": (

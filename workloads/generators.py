@@ -168,6 +168,18 @@ def chat(tokenizer: TextTokenizer, params: ChatParams, seed: int,
     return Trace("chat", seed, msgspec.to_builtins(params), {}, tuple(sessions))
 
 
+def _turns(source: TextSource, rng: random.Random, count: int, user_tokens: int,
+           max_new_tokens: int) -> tuple[Turn, ...]:
+    """``count`` turns, each a question about a documented name."""
+    return tuple(
+        Turn(
+            user=_question(source, rng.choice(source.corpus.documented), rng, user_tokens),
+            max_new_tokens=max_new_tokens,
+        )
+        for _ in range(count)
+    )
+
+
 class SessionsParams(msgspec.Struct, frozen=True):
     """Chat sessions that come back: each user has a long context of their own (a persona
     and notes), and between two of a user's turns every other user takes one, so with a
@@ -189,14 +201,7 @@ def sessions(tokenizer: TextTokenizer, params: SessionsParams, seed: int,
     for user in range(params.users):
         context = source.fit(CHAT_PERSONA + source.paragraphs_text(params.context_tokens, rng),
                              params.context_tokens)
-        turns = tuple(
-            Turn(
-                user=_question(source, rng.choice(source.corpus.documented), rng,
-                               params.user_tokens),
-                max_new_tokens=params.max_new_tokens,
-            )
-            for _ in range(params.turns)
-        )
+        turns = _turns(source, rng, params.turns, params.user_tokens, params.max_new_tokens)
         out.append(Session(f"user{user}", turns, system=context))
     return Trace("sessions", seed, msgspec.to_builtins(params), {}, tuple(out))
 
@@ -231,14 +236,7 @@ def tenants(tokenizer: TextTokenizer, params: TenantsParams, seed: int,
     out = []
     for user in range(params.sessions):
         tenant = rng.choices(range(params.tenants), weights)[0]
-        turns = tuple(
-            Turn(
-                user=_question(source, rng.choice(source.corpus.documented), rng,
-                               params.user_tokens),
-                max_new_tokens=params.max_new_tokens,
-            )
-            for _ in range(params.turns)
-        )
+        turns = _turns(source, rng, params.turns, params.user_tokens, params.max_new_tokens)
         out.append(Session(f"tenant{tenant}-user{user}", turns, system=systems[tenant],
                            arrival_s=starts[user]))
     return Trace("tenants", seed, msgspec.to_builtins(params), {}, tuple(out))

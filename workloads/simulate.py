@@ -18,8 +18,9 @@ import heapq
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from radix import KVManager
 from scheduler import POLICIES, Request, SamplingParams, Scheduler, SchedulerConfig
@@ -236,10 +237,16 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 results.append(result)
                 print(format_table([result]).splitlines()[-1], flush=True)
+    report(results, format_table, args.json)
+
+
+def report(results: Sequence[Any], table: Callable[[Sequence[Any]], str],
+           json_path: str | None) -> None:
+    """Print every result as one table; also write them to ``json_path`` when given."""
     print()
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
+    print(table(results))
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
 
 

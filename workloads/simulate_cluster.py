@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from cluster import (
     POLICY_NAMES,
@@ -33,7 +32,7 @@ from cluster import (
 )
 from radix import KVManager
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from workloads.simulate import TraceStats, reply_token, trace_stats
+from workloads.simulate import TraceStats, reply_token, report, trace_stats
 from workloads.synthetic import CLUSTER_TRACES, TRACES, SimTrace
 
 ROUTERS = ("cache_aware", "text_prefix", "round_robin", "least_loaded")
@@ -298,11 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 results.append(result)
                 print(format_table([result]).splitlines()[-1], flush=True)
-    print()
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+    report(results, format_table, args.json)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ from engine.serving.handle import RequestHandle, TextStream, outputs_or_raise
 from engine.serving.kv_tiers import build_tiers, check_tier_args
 from engine.serving.loop import EngineLoop, Job
 from engine.serving.outputs import RequestOutput
-from engine.serving.prompts import encode_prompt, encode_text, split_prompts
+from engine.serving.prompts import encode_one, encode_prompt, encode_text, prepare_prompts
 from engine.serving.stats import EngineStats
-from engine.serving.validation import check_fits, check_namespace, check_params, check_token_ids
+from engine.serving.validation import check_token_ids
 from radix import KVEvent, KVManager
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
@@ -325,10 +325,7 @@ class Engine:
         chat template), validated the same way; ValueError names ``field``."""
         if self.closed:
             raise EngineDeadError("the engine is closed")
-        items = split_prompts(prompt)
-        if len(items) != 1:
-            raise ValueError(f"{field}: expected one prompt, got a list of {len(items)}")
-        return encode_prompt(self._tokenizer, items[0], self._config.vocab_size, field)
+        return encode_one(self._tokenizer, prompt, self._config.vocab_size, field)
 
     # ------------------------------------------------------------------------- state, shutdown
 
@@ -381,20 +378,10 @@ class Engine:
         """Tokenises and validates everything before anything is queued: the one boundary."""
         if self.closed:
             raise EngineDeadError("the engine is closed")
-        check_namespace(namespace)
-        items = split_prompts(prompts)
-        if single and len(items) != 1:
-            raise ValueError(f"prompt: expected one prompt, got a list of {len(items)}")
-        vocab = self._config.vocab_size
-        params_list = check_params(params, len(items), vocab)
-        pool_tokens = self._num_pages * self._page_size
-        prepared = []
-        for i, (item, p) in enumerate(zip(items, params_list)):
-            field = "prompt" if len(items) == 1 else f"prompts[{i}]"
-            ids = encode_prompt(self._tokenizer, item, vocab, field)
-            check_fits(len(ids), p.max_new_tokens, self.max_context, pool_tokens, field)
-            prepared.append((ids, p))
-        return prepared
+        return prepare_prompts(
+            self._tokenizer, self._config.vocab_size, self.max_context,
+            self._num_pages * self._page_size, prompts, params, namespace, single,
+        )
 
     def _submit_ids(
         self,

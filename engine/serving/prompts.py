@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.serving.validation import check_messages, check_text, check_token_ids, is_token_id
+from engine.serving.validation import (
+    check_fits,
+    check_messages,
+    check_namespace,
+    check_params,
+    check_text,
+    check_token_ids,
+    is_token_id,
+)
+from scheduler import SamplingParams
 
 # One prompt: text, token ids, or a conversation [{"role": ..., "content": ...}, ...].
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -175,3 +184,37 @@ def _as_python(value: Any) -> Any:
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
         return value.tolist()
     return value
+
+
+def encode_one(tokenizer: Any, prompt: Any, vocab_size: int, field: str = "prompt") -> list[int]:
+    """Token ids of exactly one prompt; ValueError names ``field``."""
+    items = split_prompts(prompt)
+    if len(items) != 1:
+        raise ValueError(f"{field}: expected one prompt, got a list of {len(items)}")
+    return encode_prompt(tokenizer, items[0], vocab_size, field)
+
+
+def prepare_prompts(
+    tokenizer: Any,
+    vocab_size: int,
+    max_context: int,
+    pool_tokens: int,
+    prompts: Any,
+    params: Any,
+    namespace: Any,
+    single: bool = False,
+) -> list[tuple[list[int], SamplingParams]]:
+    """Every prompt's token ids and sampling parameters, all validated before any is run:
+    the one boundary, for an Engine and for a front end that sends ids to replicas."""
+    check_namespace(namespace)
+    items = split_prompts(prompts)
+    if single and len(items) != 1:
+        raise ValueError(f"prompt: expected one prompt, got a list of {len(items)}")
+    params_list = check_params(params, len(items), vocab_size)
+    prepared = []
+    for i, (item, p) in enumerate(zip(items, params_list)):
+        field = "prompt" if len(items) == 1 else f"prompts[{i}]"
+        ids = encode_prompt(tokenizer, item, vocab_size, field)
+        check_fits(len(ids), p.max_new_tokens, max_context, pool_tokens, field)
+        prepared.append((ids, p))
+    return prepared

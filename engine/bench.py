@@ -4,7 +4,8 @@
 decode tokens/s (batch 1/8/32, 512 tokens of context each) for our forward batch-invariant
 (``exact``, the default) and not (``fast``), beside transformers' and beside the case's floor:
 decode is bounded by reading the weights and the KV once per step at the measured memory
-bandwidth, prefill by its FLOPs at the measured matrix-product peak. Configurations are
+bandwidth, prefill by its FLOPs at the measured matrix-product peak (the faster of torch's
+BLAS and our products, with the same threads). Configurations are
 interleaved and the median of repeats is quoted, because CPU speed drifts from minute to
 minute.
 """
@@ -22,8 +23,9 @@ import torch
 
 from engine.model.kv_pool import KVPool
 from engine.model.loader import load_hf_reference, load_model
-from engine.model.probe import probe
+from engine.model.products import PackedWeight, load_products
 from engine.model.runner import ModelRunner
+from engine.model.threads import ThreadPolicy
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request
@@ -50,20 +52,18 @@ def _entry(req: Request, ids: list[int], start: int, pages: list[int], ps: int) 
 class OursCase:
     """Prefill or decode through ModelRunner.forward with a paged pool."""
 
-    def __init__(self, loaded: Any, page_size: int, num_tokens: int, exact: bool = True) -> None:
+    def __init__(
+        self, loaded: Any, page_size: int, num_tokens: int, exact: bool = True,
+        threads: int | None = None,
+    ) -> None:
         cfg = loaded.config
         self.ps = page_size
         num_pages = -(-num_tokens // page_size) + 64
         pool = KVPool(
             cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
         )
-        found = probe()
-        name = str(loaded.dtype).removeprefix("torch.")
         self.runner = ModelRunner(
-            loaded,
-            pool,
-            row_padding=found.padding(name) if exact else None,
-            attention_padding=found.padding("float32") if exact else None,
+            loaded, pool, threads=ThreadPolicy.default(threads), batch_invariant=exact
         )
 
     def prefill(self, ids: list[int]) -> Callable[[], None]:
@@ -147,7 +147,7 @@ def measure(
 
 
 def memory_bandwidth() -> float:
-    """Bytes/s one thread reads from memory (a sum over 512 MB: far past any cache)."""
+    """Bytes/s torch's threads read from memory (a sum over 512 MB: far past any cache)."""
     x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
     best = float("inf")
     for _ in range(3):
@@ -158,14 +158,21 @@ def memory_bandwidth() -> float:
 
 
 def matmul_peak(dtype: torch.dtype) -> float:
-    """FLOP/s of a large matrix product in ``dtype`` on the current threads."""
-    a = torch.randn(1024, 576).to(dtype)
+    """FLOP/s of a large matrix product with ``dtype`` weights on the current threads: the
+    faster of torch's (the vendor BLAS) and ours."""
+    a = torch.randn(1024, 576)
     b = torch.randn(576, 3072).to(dtype)
+    runs: list[Callable[[], object]] = [lambda: torch.matmul(a.to(dtype), b)]
+    kernel = load_products()
+    if kernel is not None and dtype in (torch.float32, torch.bfloat16):
+        packed = PackedWeight(kernel, b.t().contiguous())
+        runs.append(lambda: packed(a, threads=torch.get_num_threads()))
     best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t)
+    for run in runs:
+        for _ in range(3):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
     return 2 * 1024 * 576 * 3072 / best
 
 
@@ -225,8 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     weights = model_bytes(loaded)
     cases: list[tuple[str, int, float, dict[str, Callable[[], None]]]] = []
     need = max([*args.prefill, 1])  # the prefill cases' pools; decode cases size their own
-    exact = OursCase(loaded, args.page_size, need, exact=True)
-    fast = OursCase(loaded, args.page_size, need, exact=False)
+    exact = OursCase(loaded, args.page_size, need, exact=True, threads=args.threads)
+    fast = OursCase(loaded, args.page_size, need, exact=False, threads=args.threads)
     steps = args.decode_steps
     with torch.inference_mode():
         for n in args.prefill:
@@ -238,11 +245,12 @@ def main(argv: list[str] | None = None) -> None:
         for b in args.decode_batch:
             ctx = [rand_ids(args.context) for _ in range(b)]
             fns = {
-                "exact": OursCase(loaded, args.page_size, b * (args.context + steps)).decode(
-                    ctx, steps
-                ),
+                "exact": OursCase(
+                    loaded, args.page_size, b * (args.context + steps), threads=args.threads
+                ).decode(ctx, steps),
                 "fast": OursCase(
-                    loaded, args.page_size, b * (args.context + steps), exact=False
+                    loaded, args.page_size, b * (args.context + steps), exact=False,
+                    threads=args.threads,
                 ).decode(ctx, steps),
             }
             if not args.no_transformers:
@@ -254,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"engine.bench: dtype={loaded.dtype}, threads={torch.get_num_threads()}, "
         f"page_size={args.page_size}, exact attention: {exact.runner.backend.kernel_name}, "
+        f"products: {loaded.model.products or 'torch'}, "
         f"median of {args.repeats} interleaved repeats; "
         f"measured: memory {bandwidth / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.1f} GFLOP/s"
     )

@@ -3,6 +3,13 @@
 Weights come from a transformers state dict; q/k/v and gate/up projections are fused into
 one matrix product each. Every layer writes its new K/V into the pool through the attention
 backend, then attends over the request's pages.
+
+On the CPU the matrix products are our own (``engine.model.products``, ``use_native_products``):
+activations stay float32 between layers whatever the weights' dtype, each row's numbers
+depend on that row alone, and a decoder layer is four native products (RMSNorm fused into
+the q/k/v and gate/up products, SiLU * up into the down product, the residual adds into the
+o and down products) around RoPE and attention. Elsewhere (CUDA, or where the kernel cannot
+be built) torch's products run in the model's dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from engine.model.attention.base import AttentionBackend
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.model_config import ModelConfig
-from engine.model.rows import RowPadding
+from engine.model.products import NONE, RMSNORM, SILU_MUL, PackedWeight
 
 
 class RMSNorm(nn.Module):
@@ -32,30 +39,30 @@ class RMSNorm(nn.Module):
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * h.to(x.dtype)
 
+    def weight_f32(self) -> torch.Tensor:
+        return self.weight.detach().float().contiguous()
+
 
 class Dense(nn.Module):
-    """A linear layer with its weight kept transposed, ``[in, out]``, so ``x @ weight_t`` reads
-    it in the layout the CPU BLAS prefers: measured side by side on this machine, a decode
-    step's matrix products (SmolLM2's 30 layers and LM head, cold weights) ran 1.2x faster at
-    batch 8 and 64 than with nn.Linear's ``[out, in]``, the LM head alone 1.7x at batch 8, and
-    prefill the same. Weights load from transformers' ``[out, in]`` tensors with ``load``."""
+    """A linear layer. On the CPU it runs our batch-invariant product over a packed copy of the
+    weight (``packed``, set by ``LlamaModel.use_native_products``), float32 in and out; without
+    it, torch's product over the weight kept transposed, ``[in, out]``: the layout the CPU BLAS
+    prefers (a decode step's products ran 1.2x faster than with nn.Linear's ``[out, in]``).
+    Weights load from transformers' ``[out, in]`` tensors with ``load``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        # Set by LlamaModel.set_row_padding: rows are padded so every token's product runs in
-        # the same BLAS kernel whatever the batch (batch invariance); None: no padding.
-        self.row_padding: RowPadding | None = None
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_padding is not None:
-            m = x.shape[0]
-            y = torch.matmul(self.row_padding.pad_rows(x), self.weight_t)[:m]
-            return y if self.bias is None else y.add_(self.bias)
         if self.bias is None:
             return torch.matmul(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
+
+    def pack(self, kernel: object) -> None:
+        self.packed = PackedWeight(kernel, self.weight_t.detach().t(), self.bias)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -158,6 +165,28 @@ class Attention(nn.Module):
         out = backend.run(self.layer, q, k, v, pool)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def forward_native(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm,
+        norm_weight: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        pool: KVPool,
+        threads: int,
+    ) -> torch.Tensor:
+        """``x + attention(norm(x))`` with our products, float32."""
+        assert self.qkv_proj.packed is not None and self.o_proj.packed is not None
+        qkv = self.qkv_proj.packed(x, RMSNORM, norm_weight, norm.eps, threads=threads)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
+        apply_rope_(qk, *rope)
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        out = backend.run(self.layer, q, k, v, pool)
+        return self.o_proj.packed(out.reshape(-1, self.q_size), NONE, residual=x, threads=threads)
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -178,6 +207,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # float32 copies of the norms' weights for the native products (set when packed)
+        self.norm_weights: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def forward(
         self,
@@ -188,6 +219,26 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, backend, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_native(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        pool: KVPool,
+        threads: int,
+    ) -> torch.Tensor:
+        """The layer with our products: four native calls around RoPE and attention."""
+        w_in, w_post = self.norm_weights
+        x = self.self_attn.forward_native(
+            x, self.input_layernorm, w_in, rope, backend, pool, threads
+        )
+        mlp = self.mlp
+        assert mlp.gate_up_proj.packed is not None and mlp.down_proj.packed is not None
+        gate_up = mlp.gate_up_proj.packed(
+            x, RMSNORM, w_post, self.post_attention_layernorm.eps, threads=threads
+        )
+        return mlp.down_proj.packed(gate_up, SILU_MUL, residual=x, threads=threads)
 
 
 class LlamaModel(nn.Module):
@@ -202,21 +253,51 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(config)
         # Tied embeddings get a transposed copy here (Dense's layout), not a shared tensor.
         self.lm_head = Dense(config.hidden_size, config.vocab_size)
-        self.row_padding: RowPadding | None = None
+        self.products: str | None = None  # our kernel's path once packed, else None (torch)
+        self._final_norm_weight = torch.empty(0)
 
-    def set_row_padding(self, padding: RowPadding | None) -> None:
-        """Pad the rows of every matrix product (batch-invariant mode) or not (None)."""
-        self.row_padding = padding
+    @torch.no_grad()
+    def use_native_products(self, kernel: object) -> None:
+        """Pack every linear layer's weight for our products (once: a model shared by
+        engines is packed by the first). Called after the weights are loaded."""
+        if self.products is not None:
+            return
         for module in self.modules():
             if isinstance(module, Dense):
-                module.row_padding = padding
+                module.pack(kernel)
+        for layer in self.layers:
+            layer.norm_weights = (
+                layer.input_layernorm.weight_f32(),
+                layer.post_attention_layernorm.weight_f32(),
+            )
+        self._final_norm_weight = self.norm.weight_f32()
+        assert self.lm_head.packed is not None
+        self.products = self.lm_head.packed.path()
 
     def forward(
-        self, forward_batch: ForwardBatch, pool: KVPool, backend: AttentionBackend
+        self,
+        forward_batch: ForwardBatch,
+        pool: KVPool,
+        backend: AttentionBackend,
+        threads: int = 1,
     ) -> torch.Tensor:
-        """fp32 logits ``[len(logits_indices), vocab]``; K/V of all tokens lands in ``pool``."""
+        """fp32 logits ``[len(logits_indices), vocab]``; K/V of all tokens lands in ``pool``.
+        ``threads``: how many threads our products split their columns over."""
         backend.plan(forward_batch)
         x = self.embed_tokens(forward_batch.input_ids)
+        if self.products is not None:
+            x = x.float()
+            rope = self.rope.lookup(forward_batch.positions, x.dtype)
+            for layer in self.layers:
+                x = layer.forward_native(x, rope, backend, pool, threads)
+            assert self.lm_head.packed is not None
+            return self.lm_head.packed(
+                x.index_select(0, forward_batch.logits_indices),
+                RMSNORM,
+                self._final_norm_weight,
+                self.norm.eps,
+                threads=threads,
+            )
         rope = self.rope.lookup(forward_batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, backend, pool)

@@ -1,12 +1,14 @@
-"""Which dtype is fastest on this CPU, and how to keep its matrix products batch-invariant.
+"""Which dtype is fastest on this CPU, and whether the engine's forward is invariant in it.
 
-Machines differ: a bf16 product runs ~3x faster than fp32 on an AMD EPYC with AVX-512 BF16,
-~70x slower on one without it (a plain loop), and kills the process with SIGILL on an Intel
-Xeon whose advertised AMX faults. So the engine measures instead of guessing: a child process
-per dtype times a few decoder layers' products at a decode and a prefill shape and measures the
-row padding that makes them batch-invariant (``engine.model.rows``). A crash, a timeout or a dtype
-whose products cannot be made invariant rules that dtype out. The result is remembered per CPU
-model and torch version in the user's cache directory.
+Machines differ: bf16 ran ~3x faster than fp32 on an AMD EPYC with AVX-512 BF16, ~70x slower
+in torch on one without it, and killed the process with SIGILL on an Intel Xeon whose
+advertised AMX faults; a vendor BLAS that passed a probe of plain products broke the model's
+invariance at shapes the probe never tried. So the engine measures instead of guessing: a
+child process per dtype loads the real model, times the engine's own forward at a decode and a
+prefill shape, and checks that forward for batch invariance (``engine.model.invariance``). A
+crash, a timeout, a forward that is not invariant, or one too far from float32 rules that
+dtype out. The result is remembered per machine (CPU model, flags, cores, torch) and version
+of the kernels, in the user's cache directory.
 """
 
 from __future__ import annotations
@@ -22,17 +24,12 @@ from pathlib import Path
 
 import torch
 
-from engine.model.rows import RowPadding
-
 DTYPES = ("float32", "bfloat16")
 # bf16 is chosen only when it is at least this much faster (geometric mean of both shapes).
 MIN_SPEEDUP = 1.1
-PROBE_TIMEOUT_S = 180
-SLOW_FACTOR = 3.0  # a dtype this much slower than float32 at decode is not probed further
-# SmolLM2-135M's per-layer products (K, N): fused qkv, o, fused gate/up, down.
-LAYER_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
-PROBE_LAYERS = 8  # ~100 MB of fp32 weights: more than a last-level cache, as in a real step
-DECODE_ROWS, PREFILL_ROWS = 8, 256
+PROBE_TIMEOUT_S = 300
+SLOW_FACTOR = 3.0  # a dtype this much slower than float32 at decode is not timed further
+DECODE_ROWS, DECODE_CONTEXT, PREFILL_TOKENS = 8, 128, 256
 
 _CHILD = (
     "import json, engine.model.probe as p; "
@@ -42,28 +39,42 @@ _CHILD = (
 
 @dataclass(frozen=True)
 class DtypeReport:
-    """One dtype's probe: seconds per pass at each shape and the invariant row padding."""
+    """One dtype's probe: seconds per decode step and per prefill pass of the real forward,
+    whether that forward was invariant, and its error against float32."""
 
     decode_s: float
     prefill_s: float
-    padding: RowPadding | None  # None: its products cannot be made batch-invariant
+    invariant: bool
+    error: float = 0.0
+    failed: tuple[str, ...] = ()  # the invariance cases that differed
+    accurate: bool = True  # error within invariance.TOLERANCE
+
+    @property
+    def usable(self) -> bool:
+        return self.invariant and self.accurate
 
     def to_json(self) -> dict[str, object]:
         return {
             "decode_s": self.decode_s,
             "prefill_s": self.prefill_s,
-            "padding": None if self.padding is None else self.padding.to_json(),
+            "invariant": self.invariant,
+            "error": self.error,
+            "failed": list(self.failed),
+            "accurate": self.accurate,
         }
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> DtypeReport:
-        padding = data["padding"]
-        if padding is not None and not isinstance(padding, dict):
-            raise ValueError(f"probe: malformed padding {padding!r}")
+        failed = data.get("failed", [])
+        if not isinstance(failed, list):
+            raise ValueError(f"probe: malformed failed {failed!r}")
         return cls(
             float(data["decode_s"]),  # type: ignore[arg-type]
             float(data["prefill_s"]),  # type: ignore[arg-type]
-            None if padding is None else RowPadding.from_json(padding),
+            bool(data["invariant"]),
+            float(data.get("error", 0.0)),  # type: ignore[arg-type]
+            tuple(str(f) for f in failed),
+            bool(data.get("accurate", True)),
         )
 
 
@@ -72,47 +83,73 @@ class ProbeResult:
     dtype: str  # the choice: "float32" or "bfloat16"
     reports: dict[str, DtypeReport | None] = field(default_factory=dict)  # None: crashed
 
-    def padding(self, dtype: str) -> RowPadding | None:
+    def verified(self, dtype: str) -> bool:
+        """The engine's forward in ``dtype`` was checked invariant and accurate here."""
         report = self.reports.get(dtype)
-        return report.padding if report is not None else None
+        return report is not None and report.usable
+
+
+def _time_forward(loaded: object, threads: int) -> tuple[float, float]:
+    """Seconds of one decode step (DECODE_ROWS requests) and one prefill pass."""
+    from engine.model.invariance import _entry, _runner
+    from scheduler import SamplingParams
+    from scheduler.batch import Batch
+    from scheduler.request import Request
+
+    per = -(-max(DECODE_CONTEXT + 1, PREFILL_TOKENS) // 16)
+    runner = _runner(loaded, 16, threads, 16 * per * (DECODE_ROWS + 1))  # type: ignore[arg-type]
+    ctx = list(range(2000, 2000 + DECODE_CONTEXT))
+    reqs = [Request(i, ctx, SamplingParams(max_new_tokens=8)) for i in range(DECODE_ROWS)]
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(DECODE_ROWS + 1)]
+    runner.forward(Batch([_entry(r, ctx, 0, t, 16, True) for r, t in zip(reqs, tables)], 16))
+
+    def decode() -> None:
+        step = [_entry(r, [7], DECODE_CONTEXT, t, 16, True) for r, t in zip(reqs, tables)]
+        runner.forward(Batch(step, 16))
+
+    long = list(range(4000, 4000 + PREFILL_TOKENS))
+    prefill_req = Request("p", long, SamplingParams(max_new_tokens=1))
+
+    def prefill() -> None:
+        runner.forward(Batch([_entry(prefill_req, long, 0, tables[-1], 16, True)], 16))
+
+    def best(fn: Callable[[], None], n: int) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(decode, 5), best(prefill, 3)
 
 
 def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, object]:
-    """Time and check ``dtype``'s products here (run in a child: it may crash). A decode pass
-    slower than ``limit_s`` ends the probe early (``too_slow``: no need to measure more)."""
-    from engine.model import rows
+    """Time and check the engine's forward in ``dtype`` here (run in a child: it may crash).
+    A decode step slower than ``limit_s`` is not timed further (``prefill_s`` infinite), but
+    its invariance is still checked, so that an explicit ``dtype=`` of it is known exact."""
+    from engine.model import invariance
+    from engine.model.loader import load_model
 
-    dt = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(0)
-    weights = [
-        torch.randn(k, n, generator=gen).to(dt)
-        for _ in range(PROBE_LAYERS)
-        for k, n in LAYER_SHAPES
-    ]
-
-    def timed(m: int, threads: int) -> float:
-        torch.set_num_threads(threads)
-        xs = {k: torch.randn(m, k, generator=gen).to(dt) for k, _ in LAYER_SHAPES}
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            for w in weights:
-                torch.matmul(xs[w.shape[0]], w)
-            best = min(best, time.perf_counter() - t)
-        return best
-
+    loaded = load_model(None, "cpu", dtype)
     cores = os.cpu_count() or 1
-    decode_s = timed(DECODE_ROWS, 1)
-    threads = tuple(sorted({1, cores}))
+    decode_s, prefill_s = _time_forward(loaded, cores)
     if limit_s is not None and decode_s > limit_s:
-        # Not a candidate for speed; its padding is still measured (cheaply), so that an
-        # explicit dtype= of it is exact too.
-        padding = rows.measure(
-            dt, threads=threads, shapes=LAYER_SHAPES[:1] + ((64, 64),), up_to=16, large=(65, 257)
-        )
-        return DtypeReport(decode_s, float("inf"), padding).to_json()
-    prefill_s = timed(PREFILL_ROWS, cores)
-    return DtypeReport(decode_s, prefill_s, rows.measure(dt, threads=threads)).to_json()
+        prefill_s = float("inf")
+    reference = None
+    if dtype != "float32":
+        reference = invariance.reference_logits(load_model(None, "cpu", "float32"))
+    report = invariance.check(loaded, reference)
+    return DtypeReport(
+        decode_s,
+        prefill_s,
+        report.invariant,
+        report.max_error,
+        report.failed,
+        invariance.within_tolerance(report, getattr(torch, dtype)),
+    ).to_json()
+
 
 def run_child(dtype: str, limit_s: float | None = None, code: str = _CHILD) -> DtypeReport | None:
     """``measure_in_process(dtype)`` in a child process; None if it crashes or hangs."""
@@ -134,9 +171,10 @@ def run_child(dtype: str, limit_s: float | None = None, code: str = _CHILD) -> D
 
 
 def choose(reports: dict[str, DtypeReport | None]) -> str:
-    """bfloat16 when it ran, can be made invariant and is ``MIN_SPEEDUP`` faster; else fp32."""
+    """bfloat16 when it ran, its forward was verified invariant and accurate, and it is
+    ``MIN_SPEEDUP`` faster; else float32."""
     fp32, bf16 = reports.get("float32"), reports.get("bfloat16")
-    if bf16 is None or bf16.padding is None:
+    if bf16 is None or not bf16.usable:
         return "float32"
     if fp32 is None:
         return "bfloat16"
@@ -160,6 +198,19 @@ def machine_key() -> str:
         pass
     text = f"{name}|{flags}|{torch.__version__}|{os.cpu_count()}"
     return xxhash.xxh64(text.encode()).hexdigest()
+
+
+def kernels_key() -> str:
+    """The native kernels' sources: a new version is probed again."""
+    import xxhash
+
+    from engine.model.attention.native import SOURCE as ATTENTION
+    from engine.model.products import SOURCE as PRODUCTS
+
+    h = xxhash.xxh64()
+    for source in (PRODUCTS, ATTENTION):
+        h.update(source.read_bytes())
+    return h.hexdigest()
 
 
 def _to_json(result: ProbeResult) -> dict[str, object]:
@@ -187,7 +238,7 @@ def probe(
         from engine.model.loader import cache_root
 
         cache_dir = cache_root() / "probe"
-    path = cache_dir / f"{machine_key()}.json"
+    path = cache_dir / f"{machine_key()}-{kernels_key()}.json"
     try:
         return _from_json(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
@@ -207,9 +258,29 @@ def probe(
     return result
 
 
+def describe(result: ProbeResult) -> list[str]:
+    """One line per dtype for people: speed, invariance, error, and the choice."""
+    lines = []
+    for name in DTYPES:
+        r = result.reports.get(name)
+        if r is None:
+            lines.append(f"{name}: crashed or timed out in its probe: not usable here")
+            continue
+        verdict = "invariant" if r.invariant else f"NOT invariant ({', '.join(r.failed)})"
+        accuracy = "" if r.accurate else " (too far from float32)"
+        lines.append(
+            f"{name}: decode step {r.decode_s * 1e3:.1f} ms, prefill pass {r.prefill_s * 1e3:.1f} "
+            f"ms, {verdict}, error vs float32 {r.error:.2e}{accuracy}"
+        )
+    lines.append(f"chosen: {result.dtype}")
+    return lines
+
+
 def main() -> None:
     result = probe()
     print(json.dumps(_to_json(result), indent=1))
+    for line in describe(result):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from engine.model.attention import create_backend
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
-from engine.model.rows import RowPadding
+from engine.model.products import load_products
 from engine.model.sampler import Sampler, TokenLogprob, token_logprobs
 from engine.model.threads import ThreadPolicy
 from scheduler.batch import Batch
@@ -29,11 +29,12 @@ class StepResult:
 class ModelRunner:
     """Runs ``loaded.model`` over a scheduler ``Batch`` with K/V in ``pool`` and samples.
 
-    With a ``threads`` policy (CPU only), each pass sets torch's intra-op threads for its size;
-    without one, torch's setting is left alone. With ``row_padding`` (the padding measured for
-    the model's dtype) and ``attention_padding`` (for float32, attention's dtype) every pass is
-    batch-invariant: matrix products run with padded row counts and attention is
-    ``engine.model.attention.exact``.
+    On the CPU the model's matrix products are our own (``engine.model.products``), packed
+    once per model; with a ``threads`` policy each pass sets torch's intra-op threads for its
+    size and our products split their columns over all ``threads.max_threads`` (one call per
+    product, so no thread team per small op). With ``batch_invariant`` attention is the exact
+    kernel too (``engine.model.attention.native``): every pass is then batch-invariant by
+    construction, which the dtype probe verifies on each machine (``engine.model.probe``).
 
     Batches come from the scheduler, whose requests were validated at the engine's boundary,
     so nothing is re-checked per step (such checks read tensors back to the host, which
@@ -47,8 +48,7 @@ class ModelRunner:
         backend: str = "torch",
         seed: int | None = None,
         threads: ThreadPolicy | None = None,
-        row_padding: RowPadding | None = None,
-        attention_padding: RowPadding | None = None,
+        batch_invariant: bool = False,
         debug_checks: bool | None = None,
     ) -> None:
         cfg = loaded.config
@@ -66,12 +66,19 @@ class ModelRunner:
             raise ValueError(f"pool: on {pool.device}, model on {loaded.device}")
         self.loaded = loaded
         self.pool = pool
-        self.backend = create_backend(
-            backend, cfg, loaded.device, None if row_padding is None else attention_padding
+        native_dtype = loaded.dtype in (torch.float32, torch.bfloat16)
+        if loaded.device.type == "cpu" and native_dtype and loaded.model.products is None:
+            kernel = load_products()
+            if kernel is not None:
+                loaded.model.use_native_products(kernel)
+        self.backend = create_backend(backend, cfg, loaded.device, batch_invariant)
+        # Invariant only where both products and attention are ours (the probe verifies it).
+        self.batch_invariant = (
+            batch_invariant and loaded.model.products is not None and self.backend.exact
         )
-        self.row_padding = row_padding
         self.sampler = Sampler(seed)
         self.threads = threads if loaded.device.type == "cpu" else None
+        self.product_threads = threads.max_threads if self.threads is not None else 1
         if debug_checks is None:
             debug_checks = os.environ.get("RADIXKV_DEBUG_CHECKS", "0") not in ("", "0")
         self.debug_checks = debug_checks
@@ -80,13 +87,11 @@ class ModelRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits ``[entries with sample=True, vocab]``; writes every token's K/V."""
         fb = ForwardBatch.from_batch(batch, self.loaded.device)
-        if self.loaded.model.row_padding != self.row_padding:  # a model shared by engines
-            self.loaded.model.set_row_padding(self.row_padding)
         if self.threads is not None:
             self.threads.apply(fb.num_tokens)
         if self.debug_checks:
             self._check(batch, fb)
-        return self.loaded.model(fb, self.pool, self.backend)
+        return self.loaded.model(fb, self.pool, self.backend, self.product_threads)
 
     def _check(self, batch: Batch, fb: ForwardBatch) -> None:
         """What the scheduler and the engine's validation already guarantee (debugging)."""

@@ -15,7 +15,6 @@ import torch
 from engine.model.attention import BACKENDS
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel, load_model
-from engine.model.rows import RowPadding
 from engine.model.runner import ModelRunner
 from engine.model.threads import ThreadPolicy
 from engine.serving.detokenizer import IncrementalDetokenizer
@@ -118,16 +117,14 @@ class Engine:
         )
         tiers = build_tiers(loaded, pool, kv_host_bytes, kv_disk_dir, kv_disk_bytes)
         kv = KVManager(pages, page_size, prefix_cache, tiers)
-        row_padding, attention_padding = _row_paddings(loaded, batch_invariant)
         runner = ModelRunner(
             loaded,
             pool,
             backend=_resolve_backend(backend, loaded.device),
             threads=thread_policy,
-            row_padding=row_padding,
-            attention_padding=attention_padding,
+            batch_invariant=batch_invariant and loaded.device.type == "cpu",
         )
-        self._batch_invariant = runner.row_padding is not None
+        self._batch_invariant = runner.batch_invariant and _verified(loaded, batch_invariant)
         self._attention_kernel = runner.backend.kernel_name
         self._page_size = page_size
         self._num_pages = kv.num_pages
@@ -539,27 +536,27 @@ def _machine_memory_bytes() -> int:
         return 8 << 30
 
 
-def _row_paddings(
-    loaded: LoadedModel, batch_invariant: bool
-) -> tuple[RowPadding | None, RowPadding | None]:
-    """The measured row paddings that make passes batch-invariant on this CPU: for the model's
-    dtype and for float32 (attention's), or None (not asked for; on CUDA, not built yet; a
-    dtype the probe could not make exact)."""
+def _verified(loaded: LoadedModel, batch_invariant: bool) -> bool:
+    """Whether the dtype probe verified this machine's forward in the model's dtype as
+    batch-invariant (``engine.model.probe``); warns when it was asked for and not verified."""
     if not batch_invariant or loaded.device.type != "cpu":
-        return None, None
+        return False
     from engine.model.probe import probe
 
     name = str(loaded.dtype).removeprefix("torch.")
-    result = probe()
-    padding, attention = result.padding(name), result.padding("float32")
-    if padding is None or attention is None:
-        warnings.warn(
-            f"batch_invariant: {name} products could not be made batch-invariant on this CPU; "
-            "greedy answers may depend on the batch and the cache",
-            stacklevel=3,
-        )
-        return None, None
-    return padding, attention
+    report = probe().reports.get(name)
+    if report is not None and report.usable:
+        return True
+    why = "its probe crashed" if report is None else (
+        f"not invariant ({', '.join(report.failed)})" if not report.invariant
+        else f"{report.error:.2g} from float32"
+    )
+    warnings.warn(
+        f"batch_invariant: the {name} forward was not verified on this CPU ({why}); "
+        "greedy answers may depend on the batch and the cache",
+        stacklevel=3,
+    )
+    return False
 
 
 def _check_backend(backend: str) -> None:

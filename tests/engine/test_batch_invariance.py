@@ -11,10 +11,10 @@ import torch
 from engine_helpers import CHAT_PROMPTS, assert_idle_accounting, greedy, user
 
 from engine import Engine, SamplingParams
-from engine.model.attention import native
 from engine.model.kv_pool import KVPool
 from engine.model.probe import probe
 from engine.model.runner import ModelRunner
+from engine.model.threads import ThreadPolicy
 from scheduler.batch import Batch
 from scheduler.request import Request
 
@@ -25,26 +25,22 @@ SYSTEM = " ".join(
 
 @pytest.fixture(scope="module")
 def loaded_bf16() -> Any:
-    """The model in bfloat16; skipped on a CPU where bf16 products crash (the probe's child
-    died there, e.g. a VM that advertises AMX but faults on it)."""
+    """The model in bfloat16; skipped on a CPU where bf16 crashes (the probe's child died
+    there, e.g. a VM that advertises AMX but faults on it)."""
     from engine.model.loader import load_model
 
-    if probe().padding("bfloat16") is None:
-        pytest.skip("bfloat16 products cannot run (or be made invariant) on this CPU")
+    if probe().reports.get("bfloat16") is None:
+        pytest.skip("bfloat16 cannot run on this CPU")
     return load_model(None, "cpu", "bfloat16")
 
 
-def runner_for(loaded: Any, page_size: int) -> ModelRunner:
+def runner_for(loaded: Any, page_size: int, threads: int = 1) -> ModelRunner:
     cfg = loaded.config
     num_pages = 1024 // page_size
     pool = KVPool(
         cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
     )
-    name = str(loaded.dtype).removeprefix("torch.")
-    found = probe()
-    return ModelRunner(
-        loaded, pool, row_padding=found.padding(name), attention_padding=found.padding("float32")
-    )
+    return ModelRunner(loaded, pool, threads=ThreadPolicy(threads), batch_invariant=True)
 
 
 def last_logits(
@@ -83,34 +79,34 @@ def last_logits(
     return [o for o in out if o is not None]
 
 
-@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_are_bit_identical_alone_batched_chunked_and_paged(
     dtype: str,
-    kernel: str,
+    threads: int,
     loaded_fp32: Any,
     loaded_bf16: Any,
     tokenizer: Any,
     make_entry: Any,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the native attention kernel and with the torch version it falls back to."""
-    if kernel == "torch":
-        monkeypatch.setattr(native, "load_kernel", lambda: None)
+    """Our products and the native attention kernel, on one thread and split over two."""
     loaded = loaded_fp32 if dtype == "float32" else loaded_bf16
-    # bf16 products are ~70x slower than fp32 on CPUs without AVX-512 BF16: short prompts there.
-    n = 90 if dtype == "float32" else 20
+    n = 90
     ids = tokenizer(SYSTEM)["input_ids"][:n]
     other = tokenizer("A different request that shares nothing with the first one at all.")[
         "input_ids"
     ]
     runner = runner_for(loaded, 16)
-    assert (runner.backend.kernel is None) == (kernel == "torch")
+    assert runner.batch_invariant and loaded.model.products is not None
     ref = last_logits(runner, make_entry, [[ids]], 16)[0]
-    assert torch.equal(last_logits(runner_for(loaded, 1), make_entry, [[ids]], 1)[0], ref)
+    again = runner_for(loaded, 1, threads)
+    assert torch.equal(last_logits(again, make_entry, [[ids]], 1)[0], ref)
     split = [ids[: n // 3], ids[n // 3 : n - 1], ids[n - 1 :]]  # chunks, then a 1-token step
-    assert torch.equal(last_logits(runner_for(loaded, 16), make_entry, [split], 16)[0], ref)
-    batched = last_logits(runner_for(loaded, 16), make_entry, [[other], [ids], [other[:5]]], 16)
+    chunked = runner_for(loaded, 16, threads)
+    assert torch.equal(last_logits(chunked, make_entry, [split], 16)[0], ref)
+    batched = last_logits(
+        runner_for(loaded, 16, threads), make_entry, [[other], [ids], [other[:5]]], 16
+    )
     assert torch.equal(batched[1], ref)
 
 

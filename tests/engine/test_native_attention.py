@@ -6,7 +6,6 @@ with one thread or two."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -138,45 +137,6 @@ def test_query_gets_the_same_bits_in_any_batch_chunk_paging_and_thread_count(
         torch.set_num_threads(before)
 
 
-def test_a_build_for_another_cpu_or_source_is_never_loaded(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """The build directory's key changes with the CPU's flags and with the source."""
-    key = native.fingerprint()
-    assert key == native.fingerprint()
-    monkeypatch.setattr(native, "machine_key", lambda: "x86_64|flags: fpu sse2")
-    other_cpu = native.fingerprint()
-    assert other_cpu != key
-    edited = tmp_path / "exact_attention.cpp"
-    edited.write_text(native.SOURCE.read_text() + "\n// edited\n")
-    monkeypatch.setattr(native, "SOURCE", edited)
-    assert native.fingerprint() not in (key, other_cpu)
-
-
 def test_disabled_by_environment_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.load_kernel() is None
-
-
-def test_a_kernel_that_cannot_be_built_falls_back_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    broken = tmp_path / "exact_attention.cpp"
-    broken.write_text("#error this machine cannot build the kernel\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    with pytest.warns(RuntimeWarning, match="torch version of exact attention"):
-        assert native.load_kernel() is None
-
-
-def test_a_finished_build_is_imported_without_building_again(
-    kernel: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Another checkout (the source at another path) starts warm: no compiler is called."""
-
-    def no_build(*args: object) -> ModuleType:
-        raise AssertionError("rebuilt an existing kernel")
-
-    monkeypatch.setattr(native, "_build", no_build)
-    monkeypatch.setattr(native, "_loaded", {})
-    assert native.load_kernel() is not None

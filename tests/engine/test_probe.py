@@ -1,5 +1,6 @@
-"""The dtype probe: measured in child processes, remembered, overridable, and a probe that
-crashes (as bf16 does on a CPU whose advertised AMX faults) falls back to float32."""
+"""The dtype probe: measured in child processes on the real forward, remembered,
+overridable; a probe that crashes (as bf16 does on a CPU whose advertised AMX faults) falls
+back to float32, and a forward that is not batch-invariant is found and not chosen."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model import invariance
 from engine.model.loader import resolve_dtype
-from engine.model.probe import DTYPES, DtypeReport, choose, probe, run_child
-from engine.model.rows import RowPadding
+from engine.model.probe import DTYPES, DtypeReport, ProbeResult, choose, describe, probe, run_child
+from engine.model.products import PackedWeight
 
 SIGILL_CHILD = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
 
@@ -24,7 +26,7 @@ def test_probe_runs_children_and_remembers_its_decision(tmp_path: Path) -> None:
 
     first = probe(tmp_path, runner=counting)
     assert first.dtype in DTYPES and calls == ["float32", "bfloat16"]
-    assert first.padding(first.dtype) is not None
+    assert first.verified(first.dtype)
     assert list(tmp_path.glob("*.json"))
 
     def must_not_run(dtype: str, limit: float | None) -> DtypeReport | None:
@@ -46,33 +48,39 @@ def test_a_crashing_bf16_probe_falls_back_to_float32(tmp_path: Path) -> None:
     assert result.dtype == "float32" and result.reports["bfloat16"] is None
 
 
-def test_choice_needs_bf16_to_be_faster_and_invariant() -> None:
-    pad = RowPadding((4, 8), 12)
-    fp32 = DtypeReport(0.02, 0.2, pad)
-    assert choose({"float32": fp32, "bfloat16": DtypeReport(0.01, 0.07, pad)}) == "bfloat16"
-    assert choose({"float32": fp32, "bfloat16": DtypeReport(0.3, float("inf"), pad)}) == "float32"
-    assert choose({"float32": fp32, "bfloat16": DtypeReport(0.01, 0.07, None)}) == "float32"
+def test_choice_needs_bf16_to_be_faster_invariant_and_accurate() -> None:
+    fp32 = DtypeReport(0.02, 0.2, True)
+    assert choose({"float32": fp32, "bfloat16": DtypeReport(0.01, 0.07, True)}) == "bfloat16"
+    assert choose({"float32": fp32, "bfloat16": DtypeReport(0.3, float("inf"), True)}) == "float32"
+    broken = DtypeReport(0.01, 0.07, False, failed=("chunked, 2 threads",))
+    assert choose({"float32": fp32, "bfloat16": broken}) == "float32"
+    wrong = DtypeReport(0.01, 0.07, True, error=0.5, accurate=False)
+    assert choose({"float32": fp32, "bfloat16": wrong}) == "float32"
+    lines = describe(ProbeResult("float32", {"float32": fp32, "bfloat16": broken}))
+    assert "NOT invariant (chunked, 2 threads)" in lines[1] and lines[-1] == "chosen: float32"
+
+
+def test_the_check_finds_a_product_that_depends_on_the_rows_beside_it(
+    loaded_fp32: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real forward with our products is invariant; inject a product whose rows shift
+    with the row count of the call (what a vendor BLAS does when it changes kernels) and the
+    check names the cases that broke."""
+    assert invariance.check(loaded_fp32).invariant  # type: ignore[arg-type]
+    real = PackedWeight.__call__
+
+    def row_count_dependent(self: PackedWeight, x: torch.Tensor, *args: object, **kw: object):
+        y = real(self, x, *args, **kw)  # type: ignore[arg-type]
+        return y + 1e-6 * (x.shape[0] % 3)
+
+    monkeypatch.setattr(PackedWeight, "__call__", row_count_dependent)
+    report = invariance.check(loaded_fp32)  # type: ignore[arg-type]
+    assert not report.invariant
+    assert any("chunked" in f for f in report.failed)
+    assert any("batched" in f for f in report.failed)
 
 
 def test_an_explicit_dtype_overrides_the_probe() -> None:
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype(None, "cpu") == getattr(torch, probe().dtype)
-
-
-@pytest.mark.parametrize(
-    ("padding", "m", "want"),
-    [
-        (RowPadding((4, 8), 12), 1, 4),
-        (RowPadding((4, 8), 12), 5, 8),
-        (RowPadding((4, 8), 12), 9, 12),
-        (RowPadding((4, 8), 12), 300, 300),
-        (RowPadding(), 3, 3),
-        (RowPadding((4, 8), 12), 0, 0),
-    ],
-)
-def test_row_padding_rounds_up_to_a_safe_row_count(padding: RowPadding, m: int, want: int) -> None:
-    assert padding.pad(m) == want
-    x = torch.arange(float(max(m, 1) * 2)).view(-1, 2)[:m]
-    padded = padding.pad_rows(x)
-    assert padded.shape[0] == want and torch.equal(padded[:m], x)

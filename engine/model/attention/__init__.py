@@ -6,22 +6,25 @@ import torch
 
 from engine.model.attention.base import AttentionBackend
 from engine.model.model_config import ModelConfig
-from engine.model.rows import RowPadding
 
 BACKENDS = ("torch",)
 
 
 def create_backend(
-    name: str, config: ModelConfig, device: torch.device, padding: RowPadding | None = None
+    name: str, config: ModelConfig, device: torch.device, exact: bool = False
 ) -> AttentionBackend:
-    """The backend called ``name`` for a model of ``config`` on ``device``; with ``padding``
-    (the measured row padding) the batch-invariant variant, without it the fastest one."""
-    if name == "torch" and padding is not None:
+    """The backend called ``name`` for a model of ``config`` on ``device``: with ``exact`` the
+    batch-invariant kernel where it builds (the CPU), else the fastest one."""
+    if name == "torch" and exact:
+        from engine.model.attention import native
         from engine.model.attention.exact_backend import ExactAttentionBackend
 
-        return ExactAttentionBackend(
-            config.num_heads, config.num_kv_heads, config.head_dim, device, padding
-        )
+        usable = device.type == "cpu" and config.head_dim % native.HEAD_DIM_MULTIPLE == 0
+        kernel = native.load_kernel() if usable else None
+        if kernel is not None:
+            return ExactAttentionBackend(
+                config.num_heads, config.num_kv_heads, config.head_dim, device, kernel
+            )
     if name == "torch":
         from engine.model.attention.torch_backend import TorchAttentionBackend
 

@@ -31,6 +31,11 @@ class AttentionBackend(ABC):
         """What computes attention, for stats and benchmarks."""
         return "fast"
 
+    @property
+    def exact(self) -> bool:
+        """True when a query's output never depends on what else shares the pass."""
+        return False
+
     @abstractmethod
     def plan(self, forward_batch: ForwardBatch) -> None: ...
 

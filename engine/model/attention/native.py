@@ -4,30 +4,22 @@ The torch version (``engine.model.attention.exact``) gets its invariance from me
 and fixed 64-key blocks of BLAS products, at the price of many small ops per layer. The native
 kernel gets it by construction: each query row is computed by one fixed sequence of
 instructions over its own keys, whatever shares the call (see the source's header). It is
-compiled on first use with ``-march=native`` into ``~/.cache/radixkv/kernels/<fingerprint>``
-(the CPU's flags, the torch version and the source are in the fingerprint, so a cache copied
-to another machine is never loaded there); when it cannot be built the engine keeps the torch
-version and says so once.
+compiled on first use for this machine (``engine.model.native_build``); when it cannot be
+built the engine keeps the torch version and says so once.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
-import xxhash
 
-from engine.model.probe import machine_key
+from engine.model.native_build import load_native
 
 SOURCE = Path(__file__).parent / "csrc" / "exact_attention.cpp"
-# -fopenmp: at::parallel_for is a header template; without it the pragma is dropped and the
-# kernel runs on one thread (libgomp resolves to the copy torch already loaded).
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp")
 # Prefill queries of one request are attended in items of this many tokens; decode queries
 # (one per request) in items of up to DECODE_ITEM_TOKENS requests with similar page tables.
 PREFILL_ITEM_TOKENS = 32
@@ -35,71 +27,12 @@ DECODE_ITEM_TOKENS = 8
 HEAD_DIM_MULTIPLE = 32  # the kernel's register tiles
 DISABLE_ENV = "RADIXKV_NATIVE_ATTENTION"  # "0" keeps the torch version
 
-_loaded: dict[str, ModuleType | None] = {}
-
-
-def fingerprint() -> str:
-    """The build's key: the machine (CPU model and flags, torch; ``probe.machine_key``), the
-    compiler flags and the source."""
-    h = xxhash.xxh64()
-    for part in (machine_key(), " ".join(CFLAGS), SOURCE.read_text()):
-        h.update(part.encode())
-    return h.hexdigest()
-
-
-def cache_dir() -> Path:
-    from engine.model.loader import cache_root  # the loader imports the model, which imports us
-
-    return cache_root() / "kernels"
-
 
 def load_kernel() -> ModuleType | None:
     """The compiled module (built on first use), or None where it cannot be built here."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    key = fingerprint()
-    if key in _loaded:
-        return _loaded[key]
-    module: ModuleType | None = None
-    name = f"radixkv_exact_{key}"
-    build = cache_dir() / key
-    try:
-        built = build / f"{name}.so"
-        # A finished build is imported as it is: torch's loader would rebuild it whenever the
-        # source sits at another path (another checkout), costing a cold start each time.
-        module = _import_built(name, built) if built.exists() else _build(name, build)
-    except Exception as exc:  # a missing compiler or headers: keep the torch version
-        warnings.warn(
-            f"native attention kernel could not be built ({type(exc).__name__}: {exc}); "
-            "using the torch version of exact attention",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    _loaded[key] = module
-    return module
-
-
-def _build(name: str, build: Path) -> ModuleType:
-    from torch.utils.cpp_extension import load
-
-    build.mkdir(parents=True, exist_ok=True)
-    return load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        verbose=False,
-    )
-
-
-def _import_built(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_native(SOURCE, "radixkv_exact", "using the torch version of exact attention")
 
 
 @dataclass

@@ -1,0 +1,404 @@
+// Batch-invariant matrix products for the CPU: the model's linear layers and its LM head.
+//
+// y[m, n] = sum_k x[m, k] * w[k, n] is computed for every output element by one chain of
+// fused multiply-adds in k order (k = 0, 1, ..., K - 1), each lane of a vector holding one
+// output column. Tiles over M and N, the row count of the call and the number of threads
+// only decide which elements are computed together, never the order of any element's sum:
+// a row's result is a function of that row and the weights alone. With -ffp-contract=off
+// the only fused operations are the explicit ones, and a fused multiply-add rounds once
+// wherever it runs, so the portable path gives the same bits at any vector width.
+//
+// Weights are packed once, at load, into panels of NR columns, [panels][K][NR], so a tile
+// streams its panel's rows in order. Where the build targets AVX-512 BF16, bfloat16 weights
+// are packed in pairs of k, [panels][K/2][NR][2], for vdpbf16ps: activations are rounded to
+// bfloat16 and each lane adds x[2i] w[2i] + x[2i+1] w[2i+1] per instruction, again in one
+// fixed order along k (pairs in order), whatever the shape of the call.
+//
+// Fused around the product (each row-wise, so invariant too): an RMSNorm of the input rows,
+// SiLU(gate) * up of the input's two halves, a bias and a residual added to the output.
+
+#include <torch/extension.h>
+#include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per vector register
+#else
+constexpr int VW = 8;
+#endif
+constexpr int NR = 32;        // columns per packed panel
+constexpr int NV = NR / VW;   // vectors per panel row
+#if defined(__AVX512BF16__)
+constexpr bool kDotBF16 = true;
+#else
+constexpr bool kDotBF16 = false;
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+
+inline vf splat(float x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (vf)_mm256_set1_ps(x);
+#else
+  vf v;
+  for (int i = 0; i < VW; ++i) v[i] = x;
+  return v;
+#endif
+}
+
+inline vf loadf(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// bfloat16 bits widened to float32 exactly (a shift: bf16 is the top half of a float).
+inline vf loadw(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+}
+
+inline vf loadw(const float* p) { return loadf(p); }
+
+// a * b + c rounded once: the same bits on every instruction set.
+inline vf fma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vf r;
+  for (int i = 0; i < VW; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (NaN kept a NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// What is added to a tile's sums before they are stored: bias, then the residual.
+struct Epilogue {
+  const float* bias;      // [N] or null
+  const float* residual;  // [M, ldr] or null; may alias y
+  int64_t ldr;
+};
+
+template <int MR, int NP>
+inline void store_tile(vf (&acc)[MR][NP * NV], float* y, int64_t ldy, int64_t m0, int64_t n0,
+                       int64_t n_valid, const Epilogue& e) {
+  for (int r = 0; r < MR; ++r) {
+    float* row = y + (m0 + r) * ldy;
+    const float* res = e.residual ? e.residual + (m0 + r) * e.ldr : nullptr;
+    for (int j = 0; j < NP * NV; ++j) {
+      const int64_t n = n0 + j * VW;
+      if (n >= n_valid) break;
+      vf v = acc[r][j];
+      float tmp[VW];
+      storef(tmp, v);
+      const int64_t cols = std::min<int64_t>(VW, n_valid - n);
+      for (int i = 0; i < cols; ++i) {
+        float s = tmp[i];
+        if (e.bias) s = s + e.bias[n + i];
+        if (res) s = res[n + i] + s;
+        row[n + i] = s;
+      }
+    }
+  }
+}
+
+// The portable product: float32 activations times float32 or bfloat16 weights (widened
+// exactly in registers), one fused multiply-add chain per output element.
+template <typename W>
+struct FmaKernel {
+  const float* x;
+  int64_t ldx;
+  const W* w;
+  int64_t K;
+  float* y;
+  int64_t ldy, n_valid;
+  Epilogue e;
+
+  template <int MR, int NP>
+  void tile(int64_t m0, int64_t p) const {
+    vf acc[MR][NP * NV] = {};
+    const int64_t panel = K * NR;
+    const W* wp = w + p * panel;
+    const float* xr = x + m0 * ldx;
+    for (int64_t k = 0; k < K; ++k) {
+      vf wv[NP * NV];
+      for (int q = 0; q < NP; ++q)
+        for (int v = 0; v < NV; ++v) wv[q * NV + v] = loadw(wp + q * panel + k * NR + v * VW);
+      for (int r = 0; r < MR; ++r) {
+        const vf xb = splat(xr[r * ldx + k]);
+        for (int j = 0; j < NP * NV; ++j) acc[r][j] = fma(xb, wv[j], acc[r][j]);
+      }
+    }
+    store_tile<MR, NP>(acc, y, ldy, m0, p * NR, n_valid, e);
+  }
+};
+
+#if defined(__AVX512BF16__)
+// vdpbf16ps: x is bfloat16 [M, 2 * K2] (pairs of k), w [panels][K2][NR][2].
+struct DotKernel {
+  const uint16_t* x;
+  int64_t ldx;
+  const uint16_t* w;
+  int64_t K2;
+  float* y;
+  int64_t ldy, n_valid;
+  Epilogue e;
+
+  template <int MR, int NP>
+  void tile(int64_t m0, int64_t p) const {
+    static_assert(VW == 16, "the bf16 dot path is AVX-512");
+    vf acc[MR][NP * NV] = {};
+    const int64_t panel = K2 * NR * 2;
+    const uint16_t* wp = w + p * panel;
+    const uint16_t* xr = x + m0 * ldx;
+    for (int64_t k = 0; k < K2; ++k) {
+      __m512i wv[NP * NV];
+      for (int q = 0; q < NP; ++q)
+        for (int v = 0; v < NV; ++v)
+          wv[q * NV + v] = _mm512_loadu_si512(wp + q * panel + (k * NR + v * VW) * 2);
+      for (int r = 0; r < MR; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, xr + r * ldx + 2 * k, 4);
+        const __m512i xb = _mm512_set1_epi32(static_cast<int>(pair));
+        for (int j = 0; j < NP * NV; ++j)
+          acc[r][j] = (vf)_mm512_dpbf16_ps((__m512)acc[r][j], (__m512bh)xb, (__m512bh)wv[j]);
+      }
+    }
+    store_tile<MR, NP>(acc, y, ldy, m0, p * NR, n_valid, e);
+  }
+};
+#endif
+
+// Tile shapes (speed only: no shape changes what an element computes). Few rows (decode):
+// NP_WIDE panels per tile, for enough independent chains in flight. Many rows (prefill):
+// MR_BIG rows per tile reuse each loaded weight vector; rows go in blocks of ROW_BLOCK so a
+// tile's panels stay in L2 while the block's rows pass over them.
+constexpr int NP_WIDE = VW == 16 ? 4 : 2;
+constexpr int NP_BIG = VW == 16 ? 2 : 1;
+constexpr int MR_BIG = VW == 16 ? 6 : 3;
+constexpr int64_t ROW_BLOCK = 96;
+constexpr int64_t CLAIM = 8;  // panels a thread claims at a time (a multiple of NP_WIDE)
+
+template <int NP, int MR, typename Kernel>
+void rows_of_panel(const Kernel& kn, int64_t mb, int64_t me, int64_t p) {
+  int64_t m = mb;
+  if constexpr (MR > 2)
+    for (; m + MR <= me; m += MR) kn.template tile<MR, NP>(m, p);
+  for (; m + 2 <= me; m += 2) kn.template tile<2, NP>(m, p);
+  for (; m < me; ++m) kn.template tile<1, NP>(m, p);
+}
+
+template <typename Kernel>
+void sweep(const Kernel& kn, int64_t M, int64_t p0, int64_t p1) {
+  for (int64_t mb = 0; mb < M; mb += ROW_BLOCK) {
+    const int64_t me = std::min<int64_t>(M, mb + ROW_BLOCK);
+    int64_t p = p0;
+    if (me - mb <= 4) {
+      for (; p + NP_WIDE <= p1; p += NP_WIDE) rows_of_panel<NP_WIDE, 2>(kn, mb, me, p);
+    } else {
+      for (; p + NP_BIG <= p1; p += NP_BIG) rows_of_panel<NP_BIG, MR_BIG>(kn, mb, me, p);
+    }
+    for (; p < p1; ++p) rows_of_panel<1, MR_BIG>(kn, mb, me, p);
+  }
+}
+
+// Row-wise input transforms, each in one fixed order per row.
+enum Prologue : int64_t { NONE = 0, RMSNORM = 1, SILU_MUL = 2 };
+
+// x * rsqrt(mean(x^2) + eps) * weight: squares summed in VW lanes in k order, the lanes
+// folded left to right.
+void rmsnorm_row(const float* x, int64_t K, const float* weight, double eps, float* out) {
+  vf acc = {};
+  int64_t k = 0;
+  for (; k + VW <= K; k += VW) {
+    const vf v = loadf(x + k);
+    acc = fma(v, v, acc);
+  }
+  float ss = 0.0f;
+  for (int i = 0; i < VW; ++i) ss += acc[i];
+  for (; k < K; ++k) ss = std::fma(x[k], x[k], ss);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
+  for (int64_t j = 0; j < K; ++j) out[j] = (x[j] * r) * weight[j];
+}
+
+// silu(gate) * up for a row [gate | up] of 2K values.
+void silu_mul_row(const float* x, int64_t K, float* out) {
+  for (int64_t j = 0; j < K; ++j) {
+    const float g = x[j];
+    out[j] = (g / (1.0f + std::exp(-g))) * x[K + j];
+  }
+}
+
+int64_t panels_of(const torch::Tensor& packed) { return packed.size(0); }
+
+// w [N, K] (a linear layer's weight, transformers' layout) -> packed panels.
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "w: [N, K]");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16,
+              "w: float32 or bfloat16");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR;
+  auto wc = w.contiguous();
+  if (w.scalar_type() == torch::kBFloat16 && kDotBF16) {
+    const int64_t K2 = (K + 1) / 2;
+    auto out = torch::zeros({panels, K2, NR * 2}, w.options());
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        dst[((n / NR) * K2 + k / 2) * NR * 2 + (n % NR) * 2 + (k % 2)] = src[n * K + k];
+    return out;
+  }
+  auto out = torch::zeros({panels, K, NR}, w.options());
+  auto padded = torch::zeros({panels * NR, K}, w.options());
+  padded.narrow(0, 0, N).copy_(wc);
+  out.copy_(padded.view({panels, NR, K}).transpose(1, 2));
+  return out;
+}
+
+// The number of input features (K) a packed weight expects.
+int64_t packed_k(const torch::Tensor& packed) {
+  if (packed.scalar_type() == torch::kBFloat16 && kDotBF16) return packed.size(1) * 2;
+  return packed.size(1);
+}
+
+// y = prologue(x) @ w (+ bias) (+ residual), float32 [M, n].
+torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t prologue,
+                    c10::optional<torch::Tensor> norm_weight, double eps,
+                    c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual,
+                    int64_t threads) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+              "x: float32 [M, K] with unit column stride");
+  const int64_t M = x.size(0);
+  const int64_t K_in = prologue == SILU_MUL ? x.size(1) / 2 : x.size(1);
+  const bool dot = packed.scalar_type() == torch::kBFloat16 && kDotBF16;
+  const int64_t K = packed.size(1);  // float path: K; dot path: K / 2 pairs
+  TORCH_CHECK((dot ? 2 * K : K) >= K_in && (dot ? 2 * K - K_in <= 1 : K == K_in),
+              "x: its features do not match the packed weight");
+  TORCH_CHECK(n <= panels_of(packed) * NR, "n: more columns than packed");
+  const float* nw = nullptr;
+  if (prologue == RMSNORM) {
+    TORCH_CHECK(norm_weight.has_value() && norm_weight->scalar_type() == torch::kFloat &&
+                    norm_weight->numel() == K_in && norm_weight->is_contiguous(),
+                "norm_weight: float32 [K]");
+    nw = norm_weight->data_ptr<float>();
+  }
+  Epilogue e{nullptr, nullptr, 0};
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == n &&
+                    bias->is_contiguous(), "bias: float32 [N]");
+    e.bias = bias->data_ptr<float>();
+  }
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == torch::kFloat && residual->dim() == 2 &&
+                    residual->size(0) == M && residual->size(1) == n && residual->stride(1) == 1,
+                "residual: float32 [M, N]");
+    e.residual = residual->data_ptr<float>();
+    e.ldr = residual->stride(0);
+  }
+  auto y = torch::empty({M, n}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // The input as the product reads it: transformed rows, or bf16 pairs for the dot path.
+  const bool staged = prologue != NONE || dot;
+  const int64_t lds = dot ? 2 * K : K;
+  std::vector<float> stage_f(staged && !dot ? M * lds : 0);
+  std::vector<uint16_t> stage_h(dot ? M * lds : 0);
+  const int64_t panels = (n + NR - 1) / NR;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
+  float* yp = y.data_ptr<float>();
+  std::atomic<int64_t> next{0};
+
+#pragma omp parallel num_threads(nt)
+  {
+    if (staged) {
+      std::vector<float> row(dot ? K_in : 0);
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* src = xp + m * ldx;
+        float* to = dot ? row.data() : stage_f.data() + m * lds;
+        if (prologue == RMSNORM) rmsnorm_row(src, K_in, nw, eps, to);
+        else if (prologue == SILU_MUL) silu_mul_row(src, K_in, to);
+        else std::memcpy(to, src, K_in * sizeof(float));
+        if (dot) {
+          uint16_t* h = stage_h.data() + m * lds;
+          for (int64_t k = 0; k < K_in; ++k) h[k] = to_bf16(to[k]);
+          for (int64_t k = K_in; k < lds; ++k) h[k] = 0;
+        }
+      }  // implicit barrier: every row staged before any product reads it
+    }
+    // Columns are claimed in runs of CLAIM panels, first come first served: a thread that
+    // the OS preempts (another process on the core) holds up only the run it is in, and
+    // which thread computes a column never changes what it computes.
+    auto each_run = [&](auto&& sweep_run) {
+      for (int64_t p0 = next.fetch_add(CLAIM); p0 < panels; p0 = next.fetch_add(CLAIM))
+        sweep_run(p0, std::min<int64_t>(panels, p0 + CLAIM));
+    };
+    if (dot) {
+#if defined(__AVX512BF16__)
+      const DotKernel kn{stage_h.data(), lds,
+                         reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, yp,
+                         n, n, e};
+      each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
+#endif
+    } else if (packed.scalar_type() == torch::kFloat) {
+      const FmaKernel<float> kn{staged ? stage_f.data() : xp, staged ? lds : ldx,
+                                packed.data_ptr<float>(), K, yp, n, n, e};
+      each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
+    } else {
+      const FmaKernel<uint16_t> kn{
+          staged ? stage_f.data() : xp, staged ? lds : ldx,
+          reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, yp, n, n, e};
+      each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
+    }
+  }
+  return y;
+}
+
+std::string path_name() {
+  return std::string(kDotBF16 ? "fma+bf16dot" : "fma") + "/" + std::to_string(VW * 32);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "Pack a [N, K] weight into the panels dense() streams");
+  m.def("packed_k", &packed_k, "Input features of a packed weight");
+  m.def("dense", &dense, "Batch-invariant y = prologue(x) @ w + bias + residual");
+  m.def("path_name", &path_name, "Which product the build uses, and its vector width in bits");
+}

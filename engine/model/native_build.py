@@ -1,0 +1,94 @@
+"""Build a C++ extension once per machine and import it: the native kernels' one loader.
+
+A kernel is compiled on first use with ``-march=native`` into
+``~/.cache/radixkv/kernels/<fingerprint>``; the fingerprint hashes the machine
+(``probe.machine_key``: CPU model and flags, torch, cores), the compiler flags and the source,
+so a build for another CPU or another version of the source is never loaded. A finished build
+is imported directly (torch's loader would rebuild it for every checkout path). When a kernel
+cannot be built (no compiler, no headers) the caller gets None and says what it falls back to.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import xxhash
+
+# -fopenmp: the kernels' parallel regions (and at::parallel_for, a header template) need it;
+# libgomp resolves to the copy torch already loaded. -ffp-contract=off: the only fused
+# multiply-adds are the explicit ones, so every sum is in the order the source writes.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp")
+
+_loaded: dict[str, ModuleType | None] = {}
+# Seconds each kernel took to build in this process (first start on a machine), by name.
+BUILD_SECONDS: dict[str, float] = {}
+
+
+def fingerprint(source: Path) -> str:
+    from engine.model.probe import machine_key
+
+    h = xxhash.xxh64()
+    for part in (machine_key(), " ".join(CFLAGS), source.read_text()):
+        h.update(part.encode())
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    from engine.model.loader import cache_root  # the loader imports the model, which imports us
+
+    return cache_root() / "kernels"
+
+
+def load_native(source: Path, prefix: str, what: str) -> ModuleType | None:
+    """The module built from ``source`` for this machine (built on first use), or None with a
+    warning naming ``what`` falls back, where it cannot be built here."""
+    key = fingerprint(source)
+    name = f"{prefix}_{key}"
+    if name in _loaded:
+        return _loaded[name]
+    module: ModuleType | None = None
+    build = cache_dir() / key
+    try:
+        built = build / f"{name}.so"
+        if built.exists():
+            module = _import_built(name, built)
+        else:
+            start = time.perf_counter()
+            module = _build(name, source, build)
+            BUILD_SECONDS[prefix] = time.perf_counter() - start
+    except Exception as exc:  # a missing compiler or headers
+        warnings.warn(
+            f"native kernel {source.name} could not be built ({type(exc).__name__}: {exc}); "
+            f"{what}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    _loaded[name] = module
+    return module
+
+
+def _build(name: str, source: Path, build: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    build.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        verbose=False,
+    )
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,116 @@
+"""Our matrix products: equal to a float64 reference within rounding at every shape the model
+uses, and each row's result bit-identical whatever else shares the call: any row count, any
+split of the rows into calls, one thread or two, with every fused prologue and epilogue."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.model.products import NONE, RMSNORM, SILU_MUL, PackedWeight, load_products
+
+# SmolLM2-135M's products (K, N): fused qkv, o, fused gate/up, down, LM head; and odd sizes.
+MODEL_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ModuleType:
+    module = load_products()
+    assert module is not None, "our products did not build on this machine"
+    return module
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """float64 product; the bf16 dot path rounds x to bfloat16 first, as documented."""
+    if "bf16dot" in packed.path() and w.dtype == torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    return x.double() @ w.double().T
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+def test_products_equal_a_float64_reference_at_the_models_shapes(
+    kernel: ModuleType, shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    k, n = shape
+    gen = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(37, k, generator=gen)
+    packed = PackedWeight(kernel, w)
+    got = packed(x, threads=2).double()
+    want = reference(x, w, packed)
+    # fp32 sums of K products: error ~ sqrt(K) ulps of the terms' magnitude
+    tol = 1e-5 * (k**0.5) * want.abs().max()
+    assert (got - want).abs().max() <= tol
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    cut=st.integers(0, 300),
+    dtype=st.sampled_from(DTYPES),
+    shape=st.sampled_from(((576, 960), (1536, 576), (40, 70))),
+    prologue=st.sampled_from((NONE, RMSNORM, SILU_MUL)),
+    bias=st.booleans(),
+    residual=st.booleans(),
+)
+def test_each_row_is_bit_identical_whatever_shares_its_call(
+    kernel: ModuleType,
+    rows: int,
+    cut: int,
+    dtype: torch.dtype,
+    shape: tuple[int, int],
+    prologue: int,
+    bias: bool,
+    residual: bool,
+) -> None:
+    """All rows in one call on one thread is the reference; the same rows split into two
+    calls at ``cut``, one row at a time, and on two threads must give the same bits."""
+    k, n = shape
+    gen = torch.Generator().manual_seed(rows * 7 + cut)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = PackedWeight(kernel, w, b)
+    width = 2 * k if prologue == SILU_MUL else k
+    x = torch.randn(rows, width, generator=gen)
+    res = torch.randn(rows, n, generator=gen) if residual else None
+    norm = torch.rand(k, generator=gen) + 0.5
+
+    def run(a: int, z: int, threads: int) -> torch.Tensor:
+        return packed(
+            x[a:z], prologue, norm if prologue == RMSNORM else None, 1e-5,
+            None if res is None else res[a:z], threads,
+        )
+
+    whole = run(0, rows, 1)
+    c = min(cut, rows)
+    assert torch.equal(torch.cat([run(0, c, 1), run(c, rows, 2)]), whole)
+    assert torch.equal(run(0, rows, 2), whole)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(run(i, i + 1, 1), whole[i : i + 1])
+
+
+def test_fused_prologues_and_epilogues_compute_what_they_name(kernel: ModuleType) -> None:
+    k, n = 64, 96
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = PackedWeight(kernel, w, b)
+    x = torch.randn(5, k, generator=gen)
+    res = torch.randn(5, n, generator=gen)
+    norm = torch.rand(k, generator=gen)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
+    torch.testing.assert_close(packed(x, RMSNORM, norm, 1e-5), normed @ w.T + b)
+    gu = torch.randn(5, 2 * k, generator=gen)
+    act = torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]
+    torch.testing.assert_close(packed(gu, SILU_MUL, residual=res), res + act @ w.T + b)
+
+
+def test_a_weight_that_does_not_match_the_input_is_refused(kernel: ModuleType) -> None:
+    packed = PackedWeight(kernel, torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="features"):
+        packed(torch.randn(3, 65))

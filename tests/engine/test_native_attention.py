@@ -137,6 +137,55 @@ def test_query_gets_the_same_bits_in_any_batch_chunk_paging_and_thread_count(
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dim, hkv, group", [(64, 3, 3), (32, 2, 4), (96, 1, 8), (128, 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_on_shared_prefix_pages_match_the_reference_and_a_lone_decode(
+    kernel: ModuleType, dim: int, hkv: int, group: int, dtype: torch.dtype
+) -> None:
+    """Decodes whose tables share a prefix's pages (their query heads read each shared block
+    together, in register tiles of several tokens) next to a prefill chunk, at head_dims and
+    group sizes other than the model's: every query matches float64 softmax attention and
+    equals itself as a lone decode, with one thread or two."""
+    page_size, shared, own = 16, 144, [1, 40, 77, 64, 3]
+    gen = torch.Generator().manual_seed(dim * 10 + group)
+    k_pool = torch.randn(64, page_size, hkv, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(64, page_size, hkv, dim, generator=gen).to(dtype)
+    free = random.Random(dim + group).sample(range(64), 64)
+    common = [free.pop() for _ in range(shared // page_size)]
+    tables = [common + [free.pop() for _ in range(-(-n // page_size))] for n in own]
+    lens = [shared + n for n in own]
+    qo = [1, 1, 1, 1, 20]  # four decodes, and a chunk across the prefix's end
+    q = torch.randn(sum(qo), hkv * group, dim, generator=gen)
+    scale = dim**-0.5
+
+    def run(qq: torch.Tensor, qo: list[int], kv: list[int], seqs: list[int]) -> torch.Tensor:
+        tabs = [tables[s][: -(-n // page_size)] for s, n in zip(seqs, kv)]
+        plan = native.plan_native(qo, kv, tabs, CPU)
+        return native.attend(kernel, qq, k_pool, v_pool, plan, group, scale)
+
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            batched = run(q, qo, lens, [0, 1, 2, 3, 4])
+            torch.set_num_threads(1)
+            t = 0
+            for s, (n, length) in enumerate(zip(qo, lens)):
+                keys = k_pool[tables[s]].reshape(-1, hkv, dim).double()
+                values = v_pool[tables[s]].reshape(-1, hkv, dim).double()
+                for j in range(n):
+                    pos = length - n + j
+                    qq = q[t].double().view(hkv, group, dim)
+                    p = (torch.einsum("hgd,lhd->hgl", qq, keys[: pos + 1]) * scale).softmax(-1)
+                    want = torch.einsum("hgl,lhd->hgd", p, values[: pos + 1]).reshape(-1, dim)
+                    torch.testing.assert_close(batched[t], want.float(), rtol=1e-5, atol=1e-5)
+                    alone = run(q[t : t + 1], [1], [pos + 1], [s])
+                    assert torch.equal(alone[0], batched[t]), (threads, s, j)
+                    t += 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_disabled_by_environment_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.load_kernel() is None

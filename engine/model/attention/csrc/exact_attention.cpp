@@ -6,11 +6,16 @@
 // and the weighted sum of values key by key in position order (float32 inside each 64-key
 // block, double across blocks). Work items only decide which rows share a gathered key
 // block, never what a row computes, so the output depends on the row's own keys alone.
+// Rows that read the same block (a token's query heads of one KV head; the tokens of a
+// prefill tile or under a shared prefix) are computed together in register tiles, so each
+// key or value load serves every row of the tile; a row's operations are the same in any
+// tile, at the build's vector width (8 or 16 floats) and on any thread. bfloat16 pools are
+// widened exactly as they are loaded.
 // Built per machine with -march=native and -ffp-contract=off (contractions are explicit).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__x86_64__) && defined(__FMA__)
+#if defined(__x86_64__) && defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -24,22 +29,71 @@
 namespace {
 
 typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
 typedef double v8d __attribute__((vector_size(64)));
 
+// The widest float vector the build targets. A score's arithmetic is defined on eight lanes
+// (``LANES``); a wider vector holds two scores' lanes side by side, and every other step is
+// lane-wise, so the width changes the speed, never a row's bits.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));  // W bfloat16
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+
 constexpr int BLOCK = 64;  // keys per block: the unit of the float32 partial sums
-constexpr int LANES = 8;
-constexpr int CHUNK = 32;  // keys (scores) or head dims (values) per register tile
+constexpr int LANES = 8;   // lanes of one score's partial sums
+// Register tiles. Query rows per tile: rows reading the same keys (a decode's heads of one
+// KV head; the tokens of a run) share each key load. Keys per tile of scores: 4 vectors of
+// accumulators per row, so AVX2's 16 registers hold 3 rows x 4 keys + 3 queries + 1 key, and
+// AVX-512's 32 hold 4 rows x 8 keys (two keys a vector) + 4 queries + 4 keys.
+constexpr int ROWS = W == 16 ? 4 : 3;
+constexpr int TILE = W == 16 ? 8 : 4;
+constexpr int NACC = TILE * LANES / W;  // accumulators per row (4)
+// The value pass holds VECS vectors of each row's output dims (64 dims under AVX-512).
+constexpr int VECS = 4;
+constexpr int DIM_MULTIPLE = 32;  // head_dim: whole passes of values (native.HEAD_DIM_MULTIPLE)
 
-inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+// x in every lane (written out: GCC compiles a lane-by-lane loop into masked inserts)
+template <typename V>
+inline V splat(float x);
 
-inline v8f load(const float* p) {
-  v8f v;
+template <>
+inline v8f splat<v8f>(float x) {
+  return v8f{x, x, x, x, x, x, x, x};
+}
+
+#if defined(__AVX512F__)
+template <>
+inline vf splat<vf>(float x) {
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+#endif
+
+template <typename V>
+inline V load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+inline void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// W values of a row as float32. A bfloat16 is the top half of a float32: widening is exact
+// (the same bits as at::BFloat16's conversion), so a bfloat16 pool is read in place.
+inline vf load_row(const float* p) { return load<vf>(p); }
+
+inline vf load_row(const at::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
 
 inline v8f fmadd(v8f a, v8f b, v8f c) {
 #if defined(__x86_64__) && defined(__FMA__)
@@ -49,24 +103,31 @@ inline v8f fmadd(v8f a, v8f b, v8f c) {
 #endif
 }
 
+#if defined(__AVX512F__)
+inline vf fmadd(vf a, vf b, vf c) {
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#endif
+
 // exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial; ~1 ulp), the same
 // instructions for every lane, so a value never depends on where it sits in a vector.
-inline v8f vexp(v8f x) {
-  const v8f lo = splat(-87.0f);
+template <typename V, typename I>
+inline V vexp(V x) {
+  const V lo = splat<V>(-87.0f);
   x = x < lo ? lo : x;
-  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  v8f k = (x * splat(1.44269504088896341f) + magic) - magic;
-  v8f r = x - k * splat(0.693359375f);
-  r = r - k * splat(-2.12194440e-4f);
-  v8f p = splat(1.9875691500e-4f);
-  p = fmadd(p, r, splat(1.3981999507e-3f));
-  p = fmadd(p, r, splat(8.3334519073e-3f));
-  p = fmadd(p, r, splat(4.1665795894e-2f));
-  p = fmadd(p, r, splat(1.6666665459e-1f));
-  p = fmadd(p, r, splat(5.0000001201e-1f));
-  v8f y = fmadd(p, r * r, r) + splat(1.0f);
-  v8i bits = (__builtin_convertvector(k, v8i) + 127) << 23;
-  return y * (v8f)bits;
+  const V magic = splat<V>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  V k = (x * splat<V>(1.44269504088896341f) + magic) - magic;
+  V r = x - k * splat<V>(0.693359375f);
+  r = r - k * splat<V>(-2.12194440e-4f);
+  V p = splat<V>(1.9875691500e-4f);
+  p = fmadd(p, r, splat<V>(1.3981999507e-3f));
+  p = fmadd(p, r, splat<V>(8.3334519073e-3f));
+  p = fmadd(p, r, splat<V>(4.1665795894e-2f));
+  p = fmadd(p, r, splat<V>(1.6666665459e-1f));
+  p = fmadd(p, r, splat<V>(5.0000001201e-1f));
+  V y = fmadd(p, r * r, r) + splat<V>(1.0f);
+  I bits = (__builtin_convertvector(k, I) + 127) << 23;
+  return y * (V)bits;
 }
 
 template <typename scalar_t>
@@ -86,221 +147,375 @@ struct Args {
   float scale;
 };
 
-// Slots of block ``b`` of sequence ``s``; positions past its pages read a valid slot that
-// nothing uses.
+// Slots of block ``b`` of sequence ``s``, page by page; positions past its pages read a
+// valid slot that nothing uses.
 template <typename scalar_t>
 void block_slots(const Args<scalar_t>& a, int32_t s, int64_t b, int64_t* slots) {
   const int32_t* table = a.tables + s * a.table_stride;
-  const int64_t pages = a.table_lens[s];
-  int64_t page = b * BLOCK / a.page_size, off = b * BLOCK % a.page_size;
-  for (int j = 0; j < BLOCK; ++j) {
-    slots[j] = page < pages ? static_cast<int64_t>(table[page]) * a.page_size + off
-                            : static_cast<int64_t>(table[pages - 1]) * a.page_size;
-    if (++off == a.page_size) {
-      off = 0;
-      ++page;
-    }
+  const int64_t pages = a.table_lens[s], ps = a.page_size;
+  const int64_t past = static_cast<int64_t>(table[pages - 1]) * ps;
+  int64_t page = b * BLOCK / ps, off = b * BLOCK % ps;
+  for (int j = 0; j < BLOCK; ++page, off = 0) {
+    const int run = static_cast<int>(std::min<int64_t>(ps - off, BLOCK - j));
+    const int64_t at = page < pages ? static_cast<int64_t>(table[page]) * ps + off : past;
+    const int64_t step = page < pages ? 1 : 0;
+    for (int i = 0; i < run; ++i) slots[j + i] = at + i * step;
+    j += run;
   }
 }
 
-// Rows of one KV head for a block's slots, as float32: pointers into a float32 pool, or
-// into ``copy`` for a bfloat16 pool.
-template <typename scalar_t>
-void locate(const scalar_t* base, const Args<scalar_t>& a, int64_t h, const int64_t* slots,
-            const float** rows, std::vector<float>& copy) {
-  const int64_t dim = a.dim;
+// A block's rows widened to float32 in ``copy`` (a bfloat16 block read by several register
+// tiles is widened once).
+inline const float* const* widen(const at::BFloat16* const* rows, int64_t dim, float* copy,
+                                 const float** to) {
   for (int j = 0; j < BLOCK; ++j) {
-    const scalar_t* from = base + (slots[j] * a.hkv + h) * dim;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      rows[j] = from;
-    } else {
-      float* to = copy.data() + j * dim;
-      for (int64_t e = 0; e < dim; ++e) to[e] = static_cast<float>(from[e]);
-      rows[j] = to;
-    }
+    for (int64_t e = 0; e < dim; e += W) store(copy + j * dim + e, load_row(rows[j] + e));
+    to[j] = copy + j * dim;
   }
+  return to;
 }
 
-// Eight lane-wise partial dot products reduced to eight sums, each as
-// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
-inline v8f reduce8(const v8f* acc) {
+// Scores: per (row, key), eight lanes, lane l accumulating q[e] * k[e] for e = l, l + 8, ...
+// by FMA from zero, then the tree ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). A tile
+// keeps NACC accumulators per row; under AVX-512 each holds two keys' lanes, [key i | key
+// i + 4], against the row's eight query values in both halves.
+#if defined(__AVX512F__)
+inline vf load_q(const float* q) {
+  return (vf)_mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q))));
+}
+
+inline vf load_keys(const float* const* keys, int i, int64_t e) {
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(keys[i] + e)));
+  const __m256d hi = _mm256_castps_pd(_mm256_loadu_ps(keys[i + NACC] + e));
+  return (vf)_mm512_castpd_ps(_mm512_insertf64x4(lo, hi, 1));
+}
+
+inline vf load_keys(const at::BFloat16* const* keys, int i, int64_t e) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys[i] + e));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys[i + NACC] + e));
+  const __m256i pair = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pair), 16));
+}
+
+// The tile's 8 scores by the tree above: pairwise sums within 128-bit lanes (as hadd) twice,
+// then each key's lanes 0-3 sum plus its lanes 4-7 sum.
+inline void store_tile(float* s, const vf* acc) {
+  const auto hadd = [](__m512 x, __m512 y) {  // per 128-bit lane: [x0+x1, x2+x3, y0+y1, y2+y3]
+    return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xdd));
+  };
+  const __m512 t0 = hadd((__m512)acc[0], (__m512)acc[1]);
+  const __m512 t1 = hadd((__m512)acc[2], (__m512)acc[3]);
+  // 128-bit lanes: [l0-3 of keys 0-3 | l4-7 of keys 0-3 | l0-3 of keys 4-7 | l4-7 of keys 4-7]
+  const __m512 u = hadd(t0, t1);
+  const __m512 lo = _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 hi = _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(3, 1, 3, 1));
+  _mm256_storeu_ps(s, _mm256_add_ps(_mm512_castps512_ps256(lo), _mm512_castps512_ps256(hi)));
+}
+#else
+inline vf load_q(const float* q) { return load<vf>(q); }
+
+template <typename T>
+inline vf load_keys(const T* const* keys, int i, int64_t e) {
+  return load_row(keys[i] + e);
+}
+
+// The tile's 4 scores by the tree above.
+inline void store_tile(float* s, const vf* acc) {
 #if defined(__x86_64__) && defined(__AVX__)
   const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]);
   const __m256 t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
-  const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]);
-  const __m256 t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                            _mm256_permute2f128_ps(u0, u1, 0x31));
+  const __m256 u = _mm256_hadd_ps(t0, t1);  // [l0-3 of keys 0-3 | l4-7 of keys 0-3]
+  _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
 #else
-  v8f out;
-  for (int k = 0; k < LANES; ++k) {
+  for (int k = 0; k < TILE; ++k) {
     const v8f x = acc[k];
-    out[k] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+    s[k] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
   }
-  return out;
+#endif
+}
+#endif
+
+// Scores of R query rows against a block's 64 keys; each key load serves all R rows.
+template <int R, typename T>
+inline void block_scores(const float* const* q, const T* const* keys, int64_t dim,
+                         float* const* s) {
+  for (int c = 0; c < BLOCK; c += TILE) {
+    vf acc[R][NACC] = {};
+    for (int64_t e = 0; e < dim; e += LANES) {
+      vf qe[R];
+      for (int r = 0; r < R; ++r) qe[r] = load_q(q[r] + e);
+      for (int i = 0; i < NACC; ++i) {
+        const vf k = load_keys(keys + c, i, e);
+        for (int r = 0; r < R; ++r) acc[r][i] = fmadd(qe[r], k, acc[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) store_tile(s[r] + c, acc[r]);
+  }
+}
+
+// to[l] += x[l] in double, for the W lanes of x
+inline void add_in_double(double* to, vf x) {
+#if defined(__AVX512F__)
+  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256((__m512)x));
+  const __m512d hi = _mm512_cvtps_pd(
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)x), 1)));
+  _mm512_storeu_pd(to, _mm512_add_pd(_mm512_loadu_pd(to), lo));
+  _mm512_storeu_pd(to + 8, _mm512_add_pd(_mm512_loadu_pd(to + 8), hi));
+#else
+  v8d t;
+  std::memcpy(&t, to, sizeof t);
+  t = t + __builtin_convertvector(x, v8d);
+  std::memcpy(to, &t, sizeof t);
 #endif
 }
 
-// Scores of one query row against a block's 64 keys: per key, FMAs over head_dim in eight
-// lanes, then ``reduce8``.
-inline void block_scores(const float* q, const float* const* keys, int64_t dim, float* s) {
-  for (int c = 0; c < BLOCK; c += LANES) {
-    v8f acc[LANES] = {};
-    for (int64_t e = 0; e < dim; e += LANES) {
-      const v8f qe = load(q + e);
-      for (int k = 0; k < LANES; ++k) acc[k] = fmadd(qe, load(keys[c + k] + e), acc[k]);
+// Dims c..c + NV * W of the first ``n`` weights of R rows times a block's values: per (row,
+// dim), FMAs key by key in position order from zero (float32; dims are independent lanes),
+// then added in double to ``total``; with SUM, each row's weights summed in key order too.
+template <int R, int NV, bool SUM, typename T>
+inline void values_pass(const float* const* p, const T* const* values, int64_t c, int n,
+                        double* const* total, float* sum) {
+  vf acc[R][NV] = {};
+  float ws[R] = {};
+  for (int j = 0; j < n; ++j) {
+    vf x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = load_row(values[j] + c + i * W);
+    for (int r = 0; r < R; ++r) {
+      const vf w = splat<vf>(p[r][j]);
+      for (int i = 0; i < NV; ++i) acc[r][i] = fmadd(w, x[i], acc[r][i]);
+      if (SUM) ws[r] = ws[r] + p[r][j];
     }
-    store(s + c, reduce8(acc));
+  }
+  for (int r = 0; r < R; ++r) {
+    if (SUM) sum[r] = ws[r];
+    for (int i = 0; i < NV; ++i) add_in_double(total[r] + c + i * W, acc[r][i]);
   }
 }
 
 // The first ``n`` weights of R rows times a block's values, added in double to ``total``;
-// the weights' sum (float32, in key order) added to ``sums``.
-template <int R>
-inline void block_values(const float* const* p, const float* const* values, int64_t dim, int n,
-                         double* const* total, double* sums) {
-  v8f sum[R] = {};
-  for (int64_t c = 0; c < dim; c += CHUNK) {
-    v8f acc[R][CHUNK / LANES] = {};
-    for (int j = 0; j < n; ++j) {
-      const float* vv = values[j] + c;
-      const v8f x0 = load(vv), x1 = load(vv + 8), x2 = load(vv + 16), x3 = load(vv + 24);
-      for (int r = 0; r < R; ++r) {
-        const v8f w = splat(p[r][j]);
-        acc[r][0] = fmadd(w, x0, acc[r][0]);
-        acc[r][1] = fmadd(w, x1, acc[r][1]);
-        acc[r][2] = fmadd(w, x2, acc[r][2]);
-        acc[r][3] = fmadd(w, x3, acc[r][3]);
-        if (c == 0) sum[r] = sum[r] + w;
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < CHUNK / LANES; ++i) {
-        double* to = total[r] + c + i * LANES;
-        v8d t;
-        std::memcpy(&t, to, sizeof t);
-        t = t + __builtin_convertvector(acc[r][i], v8d);
-        std::memcpy(to, &t, sizeof t);
-      }
+// the weights' sum (float32, in key order) added to ``sums``. head_dim is a multiple of 32:
+// passes of VECS vectors, and under AVX-512 one of 2 for the last 32 dims where 64 do not fit.
+template <int R, typename T>
+inline void block_values(const float* const* p, const T* const* values, int64_t dim, int n,
+                         double* const* total, double* const* sums) {
+  float sum[R];
+  int64_t c;
+  if (dim >= VECS * W) {
+    values_pass<R, VECS, true>(p, values, 0, n, total, sum);
+    for (c = VECS * W; c + VECS * W <= dim; c += VECS * W)
+      values_pass<R, VECS, false>(p, values, c, n, total, nullptr);
+  } else {
+    values_pass<R, 2, true>(p, values, 0, n, total, sum);
+    c = 2 * W;
   }
-  for (int r = 0; r < R; ++r) sums[r] += sum[r][0];
+  for (; c < dim; c += 2 * W) values_pass<R, 2, false>(p, values, c, n, total, nullptr);
+  for (int r = 0; r < R; ++r) *sums[r] += sum[r];
 }
 
-// Walks the blocks of an item's tokens in position order, handing each token the rows of its
-// block; a block whose slots equal the last one's is located once (shared prefixes).
+// Calls f(std::integral_constant<int, R>(), o) for rows o..o + R - 1 of ``n``, in register
+// tiles of at most ROWS rows (a row's result is the same in any tile).
+template <typename F>
+inline void in_tiles(int64_t n, F f) {
+  int64_t o = 0;
+  for (; n - o >= ROWS; o += ROWS) f(std::integral_constant<int, ROWS>(), o);
+  switch (n - o) {
+    case 3:
+      f(std::integral_constant<int, 3>(), o);
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>(), o);
+      break;
+    case 1:
+      f(std::integral_constant<int, 1>(), o);
+      break;
+    default:
+      break;
+  }
+}
+
+// Calls f(rows) with a block's rows for ``n`` query rows: the pool's own rows, or for a
+// bfloat16 block read by more than one register tile, rows widened once into ``copy``.
+template <typename scalar_t, typename F>
+inline void with_rows(const scalar_t* const* rows, int64_t n, int64_t dim,
+                      std::vector<float>& copy, F f) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    f(rows);
+  } else if (n <= ROWS) {
+    f(rows);
+  } else {
+    const float* wide[BLOCK];
+    f(widen(rows, dim, copy.data(), wide));
+  }
+}
+
+// Walks the blocks of an item's tokens in position order, handing ``visit`` each run of
+// tokens that read the same block (consecutive in item order with equal slots: decodes under
+// a shared prefix, a prefill tile) with the block's rows in the pool of KV head ``h``. With
+// ``by_length`` a run also ends where the number of keys a token uses in the block changes.
 template <typename scalar_t, typename Visit>
-void for_each_block(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int64_t first,
-                    int64_t count, int64_t nb, std::vector<float>& copy, Visit visit) {
+void for_each_run(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int64_t first,
+                  int64_t count, int64_t nb, bool by_length, std::vector<int64_t>& run,
+                  Visit visit) {
   int64_t slots[BLOCK], held[BLOCK];
   held[0] = -1;  // no slot is negative: the first block is always located
-  const float* rows[BLOCK];
-  int32_t seq_at = -1;
-  int64_t block_at = -1;
+  const scalar_t* rows[BLOCK];
+  const scalar_t* const* view = rows;
   for (int64_t b = 0; b < nb; ++b) {
+    int32_t seq_at = -1;
+    int n_at = -1;
+    run.clear();
     for (int64_t i = 0; i < count; ++i) {
       const int64_t t = a.order[first + i];
       if (a.q_pos[t] < b * BLOCK) continue;
-      if (a.q_seq[t] != seq_at || b != block_at) {
+      const int n = static_cast<int>(std::min<int64_t>(BLOCK, a.q_pos[t] + 1 - b * BLOCK));
+      if (a.q_seq[t] != seq_at) {
         seq_at = a.q_seq[t];
-        block_at = b;
         block_slots(a, seq_at, b, slots);
         if (std::memcmp(slots, held, sizeof slots) != 0) {
-          locate(base, a, h, slots, rows, copy);
+          if (!run.empty()) visit(b, run, view);
+          run.clear();
+          for (int j = 0; j < BLOCK; ++j) rows[j] = base + (slots[j] * a.hkv + h) * a.dim;
           std::memcpy(held, slots, sizeof slots);
         }
       }
-      visit(b, i, t, static_cast<const float* const*>(rows));
+      if (by_length && n != n_at && !run.empty()) {
+        visit(b, run, view);
+        run.clear();
+      }
+      n_at = n;
+      run.push_back(i);
     }
+    if (!run.empty()) visit(b, run, view);
   }
 }
 
-// One work item (some query tokens) against one KV head.
+// A thread's buffers, reused by its work units.
+struct Scratch {
+  std::vector<float> qs, s, copy;
+  std::vector<double> total, sums;
+  // per row of a run: its query (scores) or its weights (values), its scores, total and sum
+  std::vector<const float*> in;
+  std::vector<float*> scores;
+  std::vector<double*> totals, sums_at;
+  std::vector<int64_t> run;
+};
+
+// One work unit (``count`` query tokens from ``first`` in item order) against one KV head.
 template <typename scalar_t>
-void attend_item(const Args<scalar_t>& a, int64_t item, int64_t h) {
-  const int64_t first = a.item_ptr[item], count = a.item_ptr[item + 1] - first;
+void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t h,
+                 Scratch& w) {
   const int64_t g = a.group, dim = a.dim, hq = a.hkv * g, rows = count * g;
   int64_t max_len = 0;
   for (int64_t i = 0; i < count; ++i)
     max_len = std::max<int64_t>(max_len, a.q_pos[a.order[first + i]] + 1);
   const int64_t nb = (max_len + BLOCK - 1) / BLOCK, width = nb * BLOCK;
 
-  std::vector<float> qs(rows * dim), s(rows * width), copy;
-  if constexpr (!std::is_same_v<scalar_t, float>) copy.resize(BLOCK * dim);
-  std::vector<double> total(rows * dim, 0.0), sums(rows, 0.0);
-  std::vector<const float*> prow(rows);
-  std::vector<double*> trow(rows);
+  // (a row's scores are written before they are read: its own blocks, nothing past them)
+  w.qs.resize(rows * dim);
+  w.s.resize(rows * width);
+  if constexpr (!std::is_same_v<scalar_t, float>) w.copy.resize(BLOCK * dim);
+  w.total.assign(rows * dim, 0.0);
+  w.sums.assign(rows, 0.0);
+  w.in.resize(rows);
+  w.scores.resize(rows);
+  w.totals.resize(rows);
+  w.sums_at.resize(rows);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t t = a.order[first + i];
     for (int64_t j = 0; j < g; ++j) {
-      const int64_t r = i * g + j;
       const float* src = a.q + (t * hq + h * g + j) * dim;
-      for (int64_t e = 0; e < dim; ++e) qs[r * dim + e] = src[e] * a.scale;
-      trow[r] = total.data() + r * dim;
+      for (int64_t e = 0; e < dim; ++e) w.qs[(i * g + j) * dim + e] = src[e] * a.scale;
     }
   }
 
-  for_each_block(a, a.k, h, first, count, nb, copy,
-                 [&](int64_t b, int64_t i, int64_t, const float* const* keys) {
-                   for (int64_t j = 0; j < g; ++j) {
-                     const int64_t r = i * g + j;
-                     block_scores(qs.data() + r * dim, keys, dim, s.data() + r * width + b * BLOCK);
+  for_each_run(a, a.k, h, first, count, nb, false, w.run,
+               [&](int64_t b, const std::vector<int64_t>& tokens, const scalar_t* const* block) {
+                 int64_t n = 0;
+                 for (const int64_t i : tokens)
+                   for (int64_t r = i * g; r < (i + 1) * g; ++r, ++n) {
+                     w.in[n] = w.qs.data() + r * dim;
+                     w.scores[n] = w.s.data() + r * width + b * BLOCK;
                    }
+                 with_rows(block, n, dim, w.copy, [&](auto keys) {
+                   in_tiles(n, [&](auto tile, int64_t o) {
+                     block_scores<decltype(tile)::value>(&w.in[o], keys, dim, &w.scores[o]);
+                   });
                  });
+               });
 
   // each row: its exact maximum over keys 0..pos, then exp over its whole blocks
   for (int64_t i = 0; i < count; ++i) {
     const int64_t len = a.q_pos[a.order[first + i]] + 1;
     const int64_t full = len / LANES * LANES, span = (len + BLOCK - 1) / BLOCK * BLOCK;
     for (int64_t j = 0; j < g; ++j) {
-      float* row = s.data() + (i * g + j) * width;
-      v8f mv = splat(-__builtin_inff());
+      float* row = w.s.data() + (i * g + j) * width;
+      v8f mv = splat<v8f>(-__builtin_inff());
       for (int64_t c = 0; c < full; c += LANES) {
-        const v8f x = load(row + c);
+        const v8f x = load<v8f>(row + c);
         mv = x > mv ? x : mv;
       }
       float m = -__builtin_inff();
       for (int l = 0; l < LANES; ++l) m = std::max(m, mv[l]);
       for (int64_t c = full; c < len; ++c) m = std::max(m, row[c]);
-      const v8f mm = splat(m);
-      for (int64_t c = 0; c < span; c += LANES) store(row + c, vexp(load(row + c) - mm));
+      const vf mm = splat<vf>(m);
+      for (int64_t c = 0; c < span; c += W) store(row + c, vexp<vf, vi>(load<vf>(row + c) - mm));
     }
   }
 
-  for_each_block(a, a.v, h, first, count, nb, copy,
-                 [&](int64_t b, int64_t i, int64_t t, const float* const* values) {
-                   const int n =
-                       static_cast<int>(std::min<int64_t>(BLOCK, a.q_pos[t] + 1 - b * BLOCK));
-                   const int64_t r0 = i * g;
-                   for (int64_t j = 0; j < g; ++j) prow[r0 + j] = s.data() + (r0 + j) * width + b * BLOCK;
-                   int64_t j = 0;
-                   for (; j + 3 <= g; j += 3)
-                     block_values<3>(&prow[r0 + j], values, dim, n, &trow[r0 + j], &sums[r0 + j]);
-                   for (; j + 2 <= g; j += 2)
-                     block_values<2>(&prow[r0 + j], values, dim, n, &trow[r0 + j], &sums[r0 + j]);
-                   for (; j < g; ++j)
-                     block_values<1>(&prow[r0 + j], values, dim, n, &trow[r0 + j], &sums[r0 + j]);
+  for_each_run(a, a.v, h, first, count, nb, true, w.run,
+               [&](int64_t b, const std::vector<int64_t>& tokens, const scalar_t* const* block) {
+                 const int64_t pos = a.q_pos[a.order[first + tokens[0]]];
+                 const int n = static_cast<int>(std::min<int64_t>(BLOCK, pos + 1 - b * BLOCK));
+                 int64_t m = 0;
+                 for (const int64_t i : tokens)
+                   for (int64_t r = i * g; r < (i + 1) * g; ++r, ++m) {
+                     w.in[m] = w.s.data() + r * width + b * BLOCK;
+                     w.totals[m] = w.total.data() + r * dim;
+                     w.sums_at[m] = &w.sums[r];
+                   }
+                 with_rows(block, m, dim, w.copy, [&](auto values) {
+                   in_tiles(m, [&](auto tile, int64_t o) {
+                     block_values<decltype(tile)::value>(&w.in[o], values, dim, n, &w.totals[o],
+                                                         &w.sums_at[o]);
+                   });
                  });
+               });
 
   for (int64_t i = 0; i < count; ++i) {
     const int64_t t = a.order[first + i];
     for (int64_t j = 0; j < g; ++j) {
       const int64_t r = i * g + j;
       float* o = a.out + (t * hq + h * g + j) * dim;
-      for (int64_t e = 0; e < dim; ++e) o[e] = static_cast<float>(trow[r][e] / sums[r]);
+      for (int64_t e = 0; e < dim; ++e) o[e] = static_cast<float>(w.total[r * dim + e] / w.sums[r]);
     }
   }
 }
 
 template <typename scalar_t>
 void run(const Args<scalar_t>& a, int64_t items) {
-  const int64_t work = items * a.hkv;
+  // Work units: the items, cut where two tokens of different sequences start on different
+  // pages (they share no block, so nothing is lost), times the KV heads. A decode item of 8
+  // unrelated requests is then 8 units per head, which threads share evenly.
+  std::vector<int64_t> cuts;
+  for (int64_t item = 0; item < items; ++item) {
+    cuts.push_back(a.item_ptr[item]);
+    for (int64_t i = a.item_ptr[item] + 1; i < a.item_ptr[item + 1]; ++i) {
+      const int32_t s0 = a.q_seq[a.order[i - 1]], s1 = a.q_seq[a.order[i]];
+      if (s0 != s1 && a.tables[s0 * a.table_stride] != a.tables[s1 * a.table_stride])
+        cuts.push_back(i);
+    }
+  }
+  cuts.push_back(a.item_ptr[items]);
+  const int64_t work = static_cast<int64_t>(cuts.size() - 1) * a.hkv;
   std::atomic<int64_t> next{0};
-  // items are claimed dynamically (they differ in cost); which thread runs one never
+  // units are claimed dynamically (they differ in cost); which thread runs one never
   // changes what it computes
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1))
-      attend_item(a, w / a.hkv, w % a.hkv);
+    Scratch scratch;
+    for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1)) {
+      const int64_t u = w / a.hkv;
+      attend_unit(a, cuts[u], cuts[u + 1] - cuts[u], w % a.hkv, scratch);
+    }
   });
 }
 
@@ -316,7 +531,7 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
               "k_cache, v_cache: contiguous [pages, page_size, Hkv, D] of one dtype");
   const int64_t hkv = k_cache.size(2), dim = k_cache.size(3);
   TORCH_CHECK(q.size(1) == hkv * group && q.size(2) == dim, "q: heads or head_dim mismatch");
-  TORCH_CHECK(dim % CHUNK == 0, "head_dim: must be a multiple of 32");
+  TORCH_CHECK(dim % DIM_MULTIPLE == 0, "head_dim: must be a multiple of 32");
   for (const auto& t : {tables, table_lens, q_seq, q_pos, order, item_ptr})
     TORCH_CHECK(t.scalar_type() == torch::kInt && t.is_contiguous(), "index tensors: int32");
   auto out = torch::empty_like(q);

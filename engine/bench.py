@@ -42,13 +42,6 @@ class Row:
         return self.tokens / self.seconds[name]
 
 
-def _entry(req: Request, ids: list[int], start: int, pages: list[int], ps: int) -> BatchEntry:
-    kv = start + len(ids)
-    pages = pages[: -(-kv // ps)]
-    slots = [pages[p // ps] * ps + p % ps for p in range(start, kv)]
-    return BatchEntry(req, ids, start, pages, slots, True)
-
-
 class OursCase:
     """Prefill or decode through ModelRunner.forward with a paged pool."""
 
@@ -68,7 +61,8 @@ class OursCase:
 
     def prefill(self, ids: list[int]) -> Callable[[], None]:
         req = Request(0, ids, SamplingParams(max_new_tokens=1))
-        batch = Batch([_entry(req, ids, 0, list(range(-(-len(ids) // self.ps))), self.ps)], self.ps)
+        pages = list(range(-(-len(ids) // self.ps)))
+        batch = Batch([BatchEntry.on_pages(req, ids, 0, pages, self.ps)], self.ps)
 
         def run() -> None:
             self.runner.forward(batch)
@@ -81,14 +75,14 @@ class OursCase:
         reqs = [Request(i, c, SamplingParams(max_new_tokens=steps)) for i, c in enumerate(contexts)]
         tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(reqs))]
         for r, t in zip(reqs, tables):  # untimed: fill the pool with each context
-            self.runner.forward(Batch([_entry(r, r.prompt, 0, t, ps)], ps))
+            self.runner.forward(Batch([BatchEntry.on_pages(r, r.prompt, 0, t, ps)], ps))
 
         def run() -> None:
             for r in reqs:
                 r.output = [0]
             for s in range(steps):
                 n = len(reqs[0].prompt) + s
-                entries = [_entry(r, [7], n, t, ps) for r, t in zip(reqs, tables)]
+                entries = [BatchEntry.on_pages(r, [7], n, t, ps) for r, t in zip(reqs, tables)]
                 self.runner.forward(Batch(entries, ps))
 
         return run

@@ -26,6 +26,26 @@ class BatchEntry:
     slots: list[int]
     sample: bool
 
+    @classmethod
+    def on_pages(
+        cls,
+        request: Request,
+        input_ids: list[int],
+        start_pos: int,
+        pages: list[int],
+        page_size: int,
+        sample: bool = True,
+    ) -> BatchEntry:
+        """The entry feeding ``input_ids`` at ``start_pos`` over a page table (``pages`` may be
+        longer than needed): its slots follow from the pages (hand-built batches: benchmarks,
+        the invariance check, tests)."""
+        kv_len = start_pos + len(input_ids)
+        pages = list(pages[: -(-kv_len // page_size)])
+        slots = [
+            pages[p // page_size] * page_size + p % page_size for p in range(start_pos, kv_len)
+        ]
+        return cls(request, list(input_ids), start_pos, pages, slots, sample)
+
     @property
     def kv_len(self) -> int:
         return self.start_pos + len(self.input_ids)

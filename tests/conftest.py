@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 
 from scheduler.batch import BatchEntry
-from scheduler.request import Request
 from tests.server_process import ServerProcess
 
 
@@ -42,26 +41,13 @@ def tokenizer(loaded_fp32: Any) -> Any:
     return loaded_fp32.tokenizer
 
 
-def _make_entry(
-    request: Request,
-    input_ids: list[int],
-    start_pos: int,
-    pages: list[int],
-    page_size: int,
-    sample: bool = True,
-) -> BatchEntry:
-    """A BatchEntry feeding ``input_ids`` at ``start_pos``; ``pages`` must cover the KV after it."""
-    kv_len = start_pos + len(input_ids)
-    pages = list(pages[: -(-kv_len // page_size)])
-    slots = [pages[p // page_size] * page_size + p % page_size for p in range(start_pos, kv_len)]
-    return BatchEntry(request, list(input_ids), start_pos, pages, slots, sample)
 
 
 @pytest.fixture(scope="session")
 def make_entry() -> Any:
     """``make_entry(request, input_ids, start_pos, pages, page_size, sample=True)`` builds a
     BatchEntry with the slots its page table implies (for hand-built test batches)."""
-    return _make_entry
+    return BatchEntry.on_pages
 
 
 # ------------------------------------------------------------------------- the HTTP server

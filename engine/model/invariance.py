@@ -40,14 +40,6 @@ class InvarianceReport:
         return {"invariant": self.invariant, "failed": list(self.failed), "error": self.max_error}
 
 
-def _entry(req: Request, ids: list[int], start: int, table: list[int], ps: int,
-           sample: bool) -> BatchEntry:
-    kv = start + len(ids)
-    pages = table[: -(-kv // ps)]
-    slots = [pages[p // ps] * ps + p % ps for p in range(start, kv)]
-    return BatchEntry(req, ids, start, pages, slots, sample)
-
-
 def _last_logits(runner: ModelRunner, pieces: list[list[list[int]]]) -> torch.Tensor:
     """Feed each request's chunks, chunk i of every request in pass i; request 0's last
     token's logits (request 0 is the prompt, the rest only share its passes)."""
@@ -62,7 +54,7 @@ def _last_logits(runner: ModelRunner, pieces: list[list[list[int]]]) -> torch.Te
             if step < len(chunks):
                 req = Request(f"r{r}", chunks[step], SamplingParams(max_new_tokens=1))
                 last = step == len(chunks) - 1
-                entries.append(_entry(req, chunks[step], done[r], tables[r], ps, last))
+                entries.append(BatchEntry.on_pages(req, chunks[step], done[r], tables[r], ps, last))
                 done[r] += len(chunks[step])
         logits = runner.forward(Batch(entries, ps))
         if step == len(pieces[0]) - 1:
@@ -71,7 +63,7 @@ def _last_logits(runner: ModelRunner, pieces: list[list[list[int]]]) -> torch.Te
     return found
 
 
-def _runner(
+def runner_for(
     loaded: LoadedModel, page_size: int, threads: int, tokens: int = 1536
 ) -> ModelRunner:
     cfg = loaded.config
@@ -92,10 +84,10 @@ def check(loaded: LoadedModel, reference: torch.Tensor | None = None) -> Invaria
     cores = os.cpu_count() or 1
     before = torch.get_num_threads()
     try:
-        whole = _last_logits(_runner(loaded, 16, 1), [[ids]])
+        whole = _last_logits(runner_for(loaded, 16, 1), [[ids]])
         cases: dict[str, torch.Tensor] = {}
         for threads in sorted({1, cores}):
-            r16 = _runner(loaded, 16, threads)
+            r16 = runner_for(loaded, 16, threads)
             cases[f"whole, {threads} threads"] = _last_logits(r16, [[ids]])
             cases[f"chunked, {threads} threads"] = _last_logits(r16, [chunked])
             # the prompt's passes shared with a longer prefill and a prefill then decodes
@@ -105,7 +97,7 @@ def check(loaded: LoadedModel, reference: torch.Tensor | None = None) -> Invaria
             cases[f"batched whole, {threads} threads"] = _last_logits(
                 r16, [[ids], [a], [b[:1]]]
             )
-            r1 = _runner(loaded, 1, threads)
+            r1 = runner_for(loaded, 1, threads)
             cases[f"page size 1, {threads} threads"] = _last_logits(r1, [[ids[:30], ids[30:]]])
     finally:
         torch.set_num_threads(before)
@@ -118,7 +110,7 @@ def check(loaded: LoadedModel, reference: torch.Tensor | None = None) -> Invaria
 
 def reference_logits(loaded_fp32: LoadedModel) -> torch.Tensor:
     """The float32 model's logits for PROMPT's last token, in one pass."""
-    return _last_logits(_runner(loaded_fp32, 16, 1), [[PROMPT]])
+    return _last_logits(runner_for(loaded_fp32, 16, 1), [[PROMPT]])
 
 
 def within_tolerance(report: InvarianceReport, dtype: torch.dtype) -> bool:

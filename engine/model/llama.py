@@ -62,7 +62,8 @@ class Dense(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
     def pack(self, kernel: object) -> None:
-        self.packed = PackedWeight(kernel, self.weight_t.detach().t(), self.bias)  # type: ignore[arg-type]
+        weight = self.weight_t.detach().t()
+        self.packed = PackedWeight(kernel, weight, self.bias)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -154,7 +155,17 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        out = self._attend(self.qkv_proj(x), rope, backend, pool)
+        return self.o_proj(out)
+
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """RoPE on q and k, then attention: ``[T, q_size]``."""
         # q and k sit side by side in each row of qkv: rotate both heads' sets in one pass.
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
@@ -162,8 +173,7 @@ class Attention(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].unflatten(-1, (self.num_kv_heads, self.head_dim))
-        out = backend.run(self.layer, q, k, v, pool)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return backend.run(self.layer, q, k, v, pool).reshape(-1, self.q_size)
 
     def forward_native(
         self,
@@ -178,14 +188,8 @@ class Attention(nn.Module):
         """``x + attention(norm(x))`` with our products, float32."""
         assert self.qkv_proj.packed is not None and self.o_proj.packed is not None
         qkv = self.qkv_proj.packed(x, RMSNORM, norm_weight, norm.eps, threads=threads)
-        heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
-        apply_rope_(qk, *rope)
-        q = qk[:, : self.num_heads]
-        k = qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].unflatten(-1, (self.num_kv_heads, self.head_dim))
-        out = backend.run(self.layer, q, k, v, pool)
-        return self.o_proj.packed(out.reshape(-1, self.q_size), NONE, residual=x, threads=threads)
+        out = self._attend(qkv, rope, backend, pool)
+        return self.o_proj.packed(out, NONE, residual=x, threads=threads)
 
 
 class MLP(nn.Module):

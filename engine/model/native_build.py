@@ -11,6 +11,7 @@ cannot be built (no compiler, no headers) the caller gets None and says what it 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -24,8 +25,7 @@ import xxhash
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp")
 
 _loaded: dict[str, ModuleType | None] = {}
-# Seconds each kernel took to build in this process (first start on a machine), by name.
-BUILD_SECONDS: dict[str, float] = {}
+log = logging.getLogger("radixkv.kernels")
 
 
 def fingerprint(source: Path) -> str:
@@ -59,7 +59,8 @@ def load_native(source: Path, prefix: str, what: str) -> ModuleType | None:
         else:
             start = time.perf_counter()
             module = _build(name, source, build)
-            BUILD_SECONDS[prefix] = time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            log.info("built %s for this machine in %.0f s", source.name, seconds)
     except Exception as exc:  # a missing compiler or headers
         warnings.warn(
             f"native kernel {source.name} could not be built ({type(exc).__name__}: {exc}); "

@@ -91,27 +91,27 @@ class ProbeResult:
 
 def _time_forward(loaded: object, threads: int) -> tuple[float, float]:
     """Seconds of one decode step (DECODE_ROWS requests) and one prefill pass."""
-    from engine.model.invariance import _entry, _runner
+    from engine.model.invariance import runner_for
     from scheduler import SamplingParams
-    from scheduler.batch import Batch
+    from scheduler.batch import Batch, BatchEntry
     from scheduler.request import Request
 
     per = -(-max(DECODE_CONTEXT + 1, PREFILL_TOKENS) // 16)
-    runner = _runner(loaded, 16, threads, 16 * per * (DECODE_ROWS + 1))  # type: ignore[arg-type]
+    runner = runner_for(loaded, 16, threads, 16 * per * (DECODE_ROWS + 1))  # type: ignore[arg-type]
     ctx = list(range(2000, 2000 + DECODE_CONTEXT))
     reqs = [Request(i, ctx, SamplingParams(max_new_tokens=8)) for i in range(DECODE_ROWS)]
     tables = [list(range(i * per, (i + 1) * per)) for i in range(DECODE_ROWS + 1)]
-    runner.forward(Batch([_entry(r, ctx, 0, t, 16, True) for r, t in zip(reqs, tables)], 16))
+    runner.forward(Batch([BatchEntry.on_pages(r, ctx, 0, t, 16) for r, t in zip(reqs, tables)], 16))
 
     def decode() -> None:
-        step = [_entry(r, [7], DECODE_CONTEXT, t, 16, True) for r, t in zip(reqs, tables)]
+        step = [BatchEntry.on_pages(r, [7], DECODE_CONTEXT, t, 16) for r, t in zip(reqs, tables)]
         runner.forward(Batch(step, 16))
 
     long = list(range(4000, 4000 + PREFILL_TOKENS))
     prefill_req = Request("p", long, SamplingParams(max_new_tokens=1))
 
     def prefill() -> None:
-        runner.forward(Batch([_entry(prefill_req, long, 0, tables[-1], 16, True)], 16))
+        runner.forward(Batch([BatchEntry.on_pages(prefill_req, long, 0, tables[-1], 16)], 16))
 
     def best(fn: Callable[[], None], n: int) -> float:
         fn()

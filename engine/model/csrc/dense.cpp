@@ -264,8 +264,6 @@ void silu_mul_row(const float* x, int64_t K, float* out) {
   }
 }
 
-int64_t panels_of(const torch::Tensor& packed) { return packed.size(0); }
-
 // w [N, K] (a linear layer's weight, transformers' layout) -> packed panels.
 torch::Tensor pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "w: [N, K]");
@@ -290,12 +288,6 @@ torch::Tensor pack(torch::Tensor w) {
   return out;
 }
 
-// The number of input features (K) a packed weight expects.
-int64_t packed_k(const torch::Tensor& packed) {
-  if (packed.scalar_type() == torch::kBFloat16 && kDotBF16) return packed.size(1) * 2;
-  return packed.size(1);
-}
-
 // y = prologue(x) @ w (+ bias) (+ residual), float32 [M, n].
 torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t prologue,
                     c10::optional<torch::Tensor> norm_weight, double eps,
@@ -309,7 +301,7 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
   const int64_t K = packed.size(1);  // float path: K; dot path: K / 2 pairs
   TORCH_CHECK((dot ? 2 * K : K) >= K_in && (dot ? 2 * K - K_in <= 1 : K == K_in),
               "x: its features do not match the packed weight");
-  TORCH_CHECK(n <= panels_of(packed) * NR, "n: more columns than packed");
+  TORCH_CHECK(n <= packed.size(0) * NR, "n: more columns than packed");
   const float* nw = nullptr;
   if (prologue == RMSNORM) {
     TORCH_CHECK(norm_weight.has_value() && norm_weight->scalar_type() == torch::kFloat &&
@@ -398,7 +390,6 @@ std::string path_name() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "Pack a [N, K] weight into the panels dense() streams");
-  m.def("packed_k", &packed_k, "Input features of a packed weight");
   m.def("dense", &dense, "Batch-invariant y = prologue(x) @ w + bias + residual");
   m.def("path_name", &path_name, "Which product the build uses, and its vector width in bits");
 }

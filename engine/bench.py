@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             cases.append((f"decode b={b} ctx={args.context}", b * steps, floor, fns))
         rows = measure(cases, args.repeats)
     print(
-        f"engine.bench: dtype={loaded.dtype}, threads={torch.get_num_threads()}, "
+        f"engine.bench: dtype={loaded.dtype}, product threads={exact.runner.product_threads}, "
         f"page_size={args.page_size}, exact attention: {exact.runner.backend.kernel_name}, "
         f"products: {loaded.model.products or 'torch'}, "
         f"median of {args.repeats} interleaved repeats; "

@@ -71,14 +71,16 @@ class ModelRunner:
             kernel = load_products()
             if kernel is not None:
                 loaded.model.use_native_products(kernel)
-        self.backend = create_backend(backend, cfg, loaded.device, batch_invariant)
+        self.threads = threads if loaded.device.type == "cpu" else None
+        self.product_threads = threads.max_threads if self.threads is not None else 1
+        self.backend = create_backend(
+            backend, cfg, loaded.device, batch_invariant, self.product_threads
+        )
         # Invariant only where both products and attention are ours (the probe verifies it).
         self.batch_invariant = (
             batch_invariant and loaded.model.products is not None and self.backend.exact
         )
         self.sampler = Sampler(seed)
-        self.threads = threads if loaded.device.type == "cpu" else None
-        self.product_threads = threads.max_threads if self.threads is not None else 1
         if debug_checks is None:
             debug_checks = os.environ.get("RADIXKV_DEBUG_CHECKS", "0") not in ("", "0")
         self.debug_checks = debug_checks

@@ -11,6 +11,9 @@ import torch
 # few thousand small ops, and synchronising a thread team per op made a decode-heavy chat
 # workload 1.8x slower on two threads than on one.
 PARALLEL_MIN_TOKENS = 128
+# torch's thread count as the process started (its default: the machine's cores), read before
+# any pass lowers it: a policy made after a decode step would otherwise get that step's one.
+STARTING_THREADS = torch.get_num_threads()
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,9 @@ class ThreadPolicy:
 
     @classmethod
     def default(cls, threads: int | None) -> ThreadPolicy:
-        """``threads`` at most; None: torch's default (the machine's cores)."""
-        return cls(torch.get_num_threads() if threads is None else threads)
+        """``threads`` at most; None: torch's thread count when this module was imported
+        (its default, the machine's cores, unless the caller set it before)."""
+        return cls(STARTING_THREADS if threads is None else threads)
 
     def threads_for(self, num_tokens: int) -> int:
         return self.max_threads if num_tokens >= self.parallel_min_tokens else 1

@@ -58,11 +58,17 @@ class Pool:
 
 
 def attend(
-    kernel: ModuleType, pool: Pool, q: torch.Tensor, qo: list[int], kv: list[int], seqs: list[int]
+    kernel: ModuleType,
+    pool: Pool,
+    q: torch.Tensor,
+    qo: list[int],
+    kv: list[int],
+    seqs: list[int],
+    threads: int = 1,
 ) -> torch.Tensor:
     tables = [pool.table(s, n) for s, n in zip(seqs, kv)]
     plan = native.plan_native(qo, kv, tables, CPU)
-    return native.attend(kernel, q, pool.k, pool.v, plan, G, SCALE)
+    return native.attend(kernel, q, pool.k, pool.v, plan, G, SCALE, threads)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
@@ -121,20 +127,14 @@ def test_query_gets_the_same_bits_in_any_batch_chunk_paging_and_thread_count(
 
     batch_pool = Pool(ks, vs, page_size, dtype, seed=3)
     lone_pool = Pool(ks, vs, 16, dtype, seed=4)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        batched = attend(kernel, batch_pool, q, qo, lens, list(range(len(lens))))
-        torch.set_num_threads(1)
-        t = 0
-        for s, (n, length) in enumerate(zip(qo, lens)):
-            for j in range(n):
-                pos = length - n + j
-                alone = attend(kernel, lone_pool, q[t : t + 1], [1], [pos + 1], [s])
-                assert torch.equal(alone[0], batched[t]), (s, j)
-                t += 1
-    finally:
-        torch.set_num_threads(before)
+    batched = attend(kernel, batch_pool, q, qo, lens, list(range(len(lens))), threads)
+    t = 0
+    for s, (n, length) in enumerate(zip(qo, lens)):
+        for j in range(n):
+            pos = length - n + j
+            alone = attend(kernel, lone_pool, q[t : t + 1], [1], [pos + 1], [s])
+            assert torch.equal(alone[0], batched[t]), (s, j)
+            t += 1
 
 
 @pytest.mark.parametrize("dim, hkv, group", [(64, 3, 3), (32, 2, 4), (96, 1, 8), (128, 2, 1)])
@@ -158,32 +158,28 @@ def test_decodes_on_shared_prefix_pages_match_the_reference_and_a_lone_decode(
     q = torch.randn(sum(qo), hkv * group, dim, generator=gen)
     scale = dim**-0.5
 
-    def run(qq: torch.Tensor, qo: list[int], kv: list[int], seqs: list[int]) -> torch.Tensor:
+    def run(
+        qq: torch.Tensor, qo: list[int], kv: list[int], seqs: list[int], threads: int = 1
+    ) -> torch.Tensor:
         tabs = [tables[s][: -(-n // page_size)] for s, n in zip(seqs, kv)]
         plan = native.plan_native(qo, kv, tabs, CPU)
-        return native.attend(kernel, qq, k_pool, v_pool, plan, group, scale)
+        return native.attend(kernel, qq, k_pool, v_pool, plan, group, scale, threads)
 
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            batched = run(q, qo, lens, [0, 1, 2, 3, 4])
-            torch.set_num_threads(1)
-            t = 0
-            for s, (n, length) in enumerate(zip(qo, lens)):
-                keys = k_pool[tables[s]].reshape(-1, hkv, dim).double()
-                values = v_pool[tables[s]].reshape(-1, hkv, dim).double()
-                for j in range(n):
-                    pos = length - n + j
-                    qq = q[t].double().view(hkv, group, dim)
-                    p = (torch.einsum("hgd,lhd->hgl", qq, keys[: pos + 1]) * scale).softmax(-1)
-                    want = torch.einsum("hgl,lhd->hgd", p, values[: pos + 1]).reshape(-1, dim)
-                    torch.testing.assert_close(batched[t], want.float(), rtol=1e-5, atol=1e-5)
-                    alone = run(q[t : t + 1], [1], [pos + 1], [s])
-                    assert torch.equal(alone[0], batched[t]), (threads, s, j)
-                    t += 1
-    finally:
-        torch.set_num_threads(before)
+    for threads in (1, 2):
+        batched = run(q, qo, lens, [0, 1, 2, 3, 4], threads)
+        t = 0
+        for s, (n, length) in enumerate(zip(qo, lens)):
+            keys = k_pool[tables[s]].reshape(-1, hkv, dim).double()
+            values = v_pool[tables[s]].reshape(-1, hkv, dim).double()
+            for j in range(n):
+                pos = length - n + j
+                qq = q[t].double().view(hkv, group, dim)
+                p = (torch.einsum("hgd,lhd->hgl", qq, keys[: pos + 1]) * scale).softmax(-1)
+                want = torch.einsum("hgl,lhd->hgd", p, values[: pos + 1]).reshape(-1, dim)
+                torch.testing.assert_close(batched[t], want.float(), rtol=1e-5, atol=1e-5)
+                alone = run(q[t : t + 1], [1], [pos + 1], [s])
+                assert torch.equal(alone[0], batched[t]), (threads, s, j)
+                t += 1
 
 
 def test_disabled_by_environment_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:

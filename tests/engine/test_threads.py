@@ -47,3 +47,19 @@ def test_runner_sets_torch_threads_per_pass(loaded_fp32: Any, make_entry: Any) -
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_default_policy_keeps_the_starting_thread_count_after_a_decode_step_lowered_torchs(
+) -> None:
+    """A decode step sets torch's threads to one; an engine made after it must not inherit
+    that as its "default" (it would then run every product and attention on one core)."""
+    from engine.model import threads as threads_module
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # what a decode step leaves behind
+        policy = ThreadPolicy.default(None)
+        assert policy.max_threads == threads_module.STARTING_THREADS
+        assert ThreadPolicy.default(3).max_threads == 3
+    finally:
+        torch.set_num_threads(before)

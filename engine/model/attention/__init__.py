@@ -11,10 +11,15 @@ BACKENDS = ("torch",)
 
 
 def create_backend(
-    name: str, config: ModelConfig, device: torch.device, exact: bool = False
+    name: str,
+    config: ModelConfig,
+    device: torch.device,
+    exact: bool = False,
+    threads: int = 1,
 ) -> AttentionBackend:
     """The backend called ``name`` for a model of ``config`` on ``device``: with ``exact`` the
-    batch-invariant kernel where it builds (the CPU), else the fastest one."""
+    batch-invariant kernel where it builds (the CPU; it runs on ``threads`` threads), else
+    the fastest one."""
     if name == "torch" and exact:
         from engine.model.attention import native
         from engine.model.attention.exact_backend import ExactAttentionBackend
@@ -23,7 +28,7 @@ def create_backend(
         kernel = native.load_kernel() if usable else None
         if kernel is not None:
             return ExactAttentionBackend(
-                config.num_heads, config.num_kv_heads, config.head_dim, device, kernel
+                config.num_heads, config.num_kv_heads, config.head_dim, device, kernel, threads
             )
     if name == "torch":
         from engine.model.attention.torch_backend import TorchAttentionBackend

@@ -29,9 +29,11 @@ class ExactAttentionBackend(AttentionBackend):
         head_dim: int,
         device: torch.device,
         kernel: ModuleType,
+        threads: int = 1,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.kernel = kernel
+        self.threads = threads  # every pass's attention runs on this many threads
         self._native: native.NativePlan | None = None
         self._fb: ForwardBatch | None = None
 
@@ -62,6 +64,7 @@ class ExactAttentionBackend(AttentionBackend):
         g = self.num_heads // hkv
         qn = q.float().view(-1, hkv * g, d)
         out = native.attend(
-            self.kernel, qn, pool.k_cache[layer], pool.v_cache[layer], plan, g, d**-0.5
+            self.kernel, qn, pool.k_cache[layer], pool.v_cache[layer], plan, g, d**-0.5,
+            self.threads,
         )
         return out.view(q.shape).to(q.dtype)

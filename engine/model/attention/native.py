@@ -100,8 +100,10 @@ def attend(
     plan: NativePlan,
     group: int,
     scale: float,
+    threads: int = 1,
 ) -> torch.Tensor:
-    """q ``[T, Hq, D]`` float32 -> ``[T, Hq, D]`` float32 over the pool layer's pages."""
+    """q ``[T, Hq, D]`` float32 -> ``[T, Hq, D]`` float32 over the pool layer's pages, on
+    ``threads`` threads (one parallel region, whatever torch's own setting)."""
     return kernel.exact_attention(
         q.contiguous(),
         k_pages,
@@ -114,4 +116,5 @@ def attend(
         plan.item_ptr,
         group,
         scale,
+        threads,
     )

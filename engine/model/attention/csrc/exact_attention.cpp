@@ -14,7 +14,7 @@
 // Built per machine with -march=native and -ffp-contract=off (contractions are explicit).
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include <omp.h>
 #if defined(__x86_64__) && defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -348,6 +348,19 @@ inline void with_rows(const scalar_t* const* rows, int64_t n, int64_t dim,
   }
 }
 
+// Asks for block ``b`` of sequence ``s`` (KV head ``h``) to be brought into cache while the
+// current block is computed: a head's rows are a strided walk the hardware does not foresee.
+template <typename scalar_t>
+inline void prefetch_block(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int32_t s,
+                           int64_t b, int64_t* slots) {
+  block_slots(a, s, b, slots);
+  const int64_t bytes = a.dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int j = 0; j < BLOCK; ++j) {
+    const char* row = reinterpret_cast<const char*>(base + (slots[j] * a.hkv + h) * a.dim);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 3);
+  }
+}
+
 // Walks the blocks of an item's tokens in position order, handing ``visit`` each run of
 // tokens that read the same block (consecutive in item order with equal slots: decodes under
 // a shared prefix, a prefill tile) with the block's rows in the pool of KV head ``h``. With
@@ -370,6 +383,7 @@ void for_each_run(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int6
       const int n = static_cast<int>(std::min<int64_t>(BLOCK, a.q_pos[t] + 1 - b * BLOCK));
       if (a.q_seq[t] != seq_at) {
         seq_at = a.q_seq[t];
+        if (b + 1 < nb) prefetch_block(a, base, h, seq_at, b + 1, slots);
         block_slots(a, seq_at, b, slots);
         if (std::memcmp(slots, held, sizeof slots) != 0) {
           if (!run.empty()) visit(b, run, view);
@@ -492,7 +506,7 @@ void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t 
 }
 
 template <typename scalar_t>
-void run(const Args<scalar_t>& a, int64_t items) {
+void run(const Args<scalar_t>& a, int64_t items, int threads) {
   // Work units: the items, cut where two tokens of different sequences start on different
   // pages (they share no block, so nothing is lost), times the KV heads. A decode item of 8
   // unrelated requests is then 8 units per head, which threads share evenly.
@@ -508,21 +522,25 @@ void run(const Args<scalar_t>& a, int64_t items) {
   cuts.push_back(a.item_ptr[items]);
   const int64_t work = static_cast<int64_t>(cuts.size() - 1) * a.hkv;
   std::atomic<int64_t> next{0};
-  // units are claimed dynamically (they differ in cost); which thread runs one never
-  // changes what it computes
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  // Units are claimed dynamically (they differ in cost); which thread runs one never
+  // changes what it computes. One parallel region of ``threads`` threads per call, whatever
+  // torch's own thread setting (a decode step's attention is worth both cores).
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, work)));
+#pragma omp parallel num_threads(nt)
+  {
     Scratch scratch;
     for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1)) {
       const int64_t u = w / a.hkv;
       attend_unit(a, cuts[u], cuts[u + 1] - cuts[u], w % a.hkv, scratch);
     }
-  });
+  }
 }
 
 torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor tables, torch::Tensor table_lens,
                               torch::Tensor q_seq, torch::Tensor q_pos, torch::Tensor order,
-                              torch::Tensor item_ptr, int64_t group, double scale) {
+                              torch::Tensor item_ptr, int64_t group, double scale,
+                              int64_t threads) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
               "q: float32 [T, Hq, D], contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -544,7 +562,7 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                      q_pos.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
                      item_ptr.data_ptr<int32_t>(), hkv, group, dim, k_cache.size(1),
                      static_cast<float>(scale)};
-    run(a, items);
+    run(a, items, static_cast<int>(threads));
   };
   if (k_cache.scalar_type() == torch::kFloat) {
     fill(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());

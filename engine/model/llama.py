@@ -14,8 +14,6 @@ be built) torch's products run in the model's dtype.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +23,7 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.model_config import ModelConfig
 from engine.model.products import NONE, RMSNORM, SILU_MUL, PackedWeight
+from engine.model.rope import Rope, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -79,58 +78,6 @@ class Dense(nn.Module):
             self.bias.copy_(bias)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with the config's theta, and llama3 frequency scaling if set."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to the model's context, looked up once per pass."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(config)
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.float)
-        freqs = pos[:, None] * inv_freq[None, :]
-        # Half-split layout: both halves of a head use the same angles, so one half is stored.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, head_dim / 2]`` of each token's position."""
-        return (
-            self.cos[positions].unsqueeze(1).to(dtype),
-            self.sin[positions].unsqueeze(1).to(dtype),
-        )
-
-
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate ``x`` ``[T, H, D]`` in place (half-split layout: pairs are (i, i + D/2)).
-
-    Equals transformers' ``x * cos + rotate_half(x) * sin`` without building ``rotate_half``.
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    first = x1 * cos - x2 * sin
-    x2.mul_(cos).addcmul_(x1, sin)
-    x1.copy_(first)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -151,7 +98,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         backend: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
@@ -159,28 +106,18 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _attend(
-        self,
-        qkv: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        backend: AttentionBackend,
-        pool: KVPool,
+        self, qkv: torch.Tensor, rope: Rope, backend: AttentionBackend, pool: KVPool
     ) -> torch.Tensor:
-        """RoPE on q and k, then attention: ``[T, q_size]``."""
-        # q and k sit side by side in each row of qkv: rotate both heads' sets in one pass.
-        heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
-        apply_rope_(qk, *rope)
-        q = qk[:, : self.num_heads]
-        k = qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return backend.run(self.layer, q, k, v, pool).reshape(-1, self.q_size)
+        """RoPE on q and k, then attention: ``[T, q_size]`` (the backend's fused kernel where
+        it has one)."""
+        return backend.run_qkv(self.layer, qkv, rope, pool)
 
     def forward_native(
         self,
         x: torch.Tensor,
         norm: RMSNorm,
         norm_weight: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         backend: AttentionBackend,
         pool: KVPool,
         threads: int,
@@ -217,7 +154,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         backend: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
@@ -227,7 +164,7 @@ class DecoderLayer(nn.Module):
     def forward_native(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         backend: AttentionBackend,
         pool: KVPool,
         threads: int,

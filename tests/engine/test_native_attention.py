@@ -185,3 +185,66 @@ def test_decodes_on_shared_prefix_pages_match_the_reference_and_a_lone_decode(
 def test_disabled_by_environment_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.load_kernel() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_and_kv_write_equal_the_separate_steps(
+    kernel: ModuleType, dtype: torch.dtype
+) -> None:
+    """``rope_write_attend`` (RoPE, the K/V write and attention in one call, from the fused
+    projection's rows) writes the K/V torch's rotation and cast write, and returns what the
+    kernel returns for the rotated q over them: a prefill chunk after cached tokens and two
+    decodes, one of them on the chunk's own new pages."""
+    from engine.model.rope import apply_rope_
+
+    page_size, hq = 16, HKV * G
+    gen = torch.Generator().manual_seed(7)
+    cached = [40, 0, 75]  # tokens already in each sequence's pages
+    qo = [9, 1, 1]
+    lens = [c + n for c, n in zip(cached, qo)]
+    pages_needed = [-(-n // page_size) for n in lens]
+    order = random.Random(7).sample(range(sum(pages_needed) + 3), sum(pages_needed) + 3)
+    tables = [[order.pop() for _ in range(n)] for n in pages_needed]
+    k_pool = torch.randn(sum(pages_needed) + 3, page_size, HKV, D, generator=gen).to(dtype)
+    v_pool = torch.randn(sum(pages_needed) + 3, page_size, HKV, D, generator=gen).to(dtype)
+    slots = torch.tensor(
+        [tables[s][p // page_size] * page_size + p % page_size
+         for s in range(3) for p in range(cached[s], lens[s])],
+        dtype=torch.int64,
+    )
+    positions = torch.tensor([p for s in range(3) for p in range(cached[s], lens[s])])
+    qkv = torch.randn(len(slots), (hq + 2 * HKV) * D, generator=gen)
+    angles = positions[:, None].float() * (10000.0 ** (-torch.arange(0, D, 2).float() / D))
+    cos, sin = angles.cos(), angles.sin()
+    plan = native.plan_native(qo, lens, tables, CPU)
+
+    fused_k, fused_v = k_pool.clone(), v_pool.clone()
+    fused = native.rope_write_attend(
+        kernel, qkv, cos, sin, slots, fused_k, fused_v, plan, G, SCALE, threads=2
+    )
+
+    qk = qkv[:, : (hq + HKV) * D].clone().unflatten(-1, (hq + HKV, D))
+    apply_rope_(qk, cos[:, None], sin[:, None])
+    v = qkv[:, (hq + HKV) * D :].unflatten(-1, (HKV, D))
+    k_pool.view(-1, HKV, D).index_copy_(0, slots, qk[:, hq:].to(dtype))
+    v_pool.view(-1, HKV, D).index_copy_(0, slots, v.to(dtype))
+    torch.testing.assert_close(fused_k.float(), k_pool.float(), rtol=0, atol=1e-6 if
+                               dtype == torch.float32 else 0.0)
+    assert torch.equal(fused_v, v_pool)
+    separate = native.attend(kernel, qk[:, :hq].contiguous(), k_pool, v_pool, plan, G, SCALE)
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
+    # bit for bit where the rotation's bits agree (the usual case on one machine)
+    if torch.equal(fused_k, k_pool):
+        again = native.attend(kernel, qk[:, :hq].contiguous(), fused_k, fused_v, plan, G, SCALE)
+        assert torch.equal(again, separate)
+
+
+def test_fused_call_rejects_a_slot_outside_the_pool(kernel: ModuleType) -> None:
+    k_pool = torch.zeros(2, 16, HKV, D)
+    plan = native.plan_native([1], [1], [[0]], CPU)
+    qkv = torch.zeros(1, (HKV * G + 2 * HKV) * D)
+    half = torch.zeros(1, D // 2)
+    with pytest.raises(RuntimeError, match="slots"):
+        native.rope_write_attend(
+            kernel, qkv, half, half, torch.tensor([32]), k_pool, k_pool.clone(), plan, G, SCALE
+        )

@@ -8,6 +8,7 @@ import torch
 
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
+from engine.model.rope import Rope, apply_rope_
 
 
 class AttentionBackend(ABC):
@@ -16,6 +17,8 @@ class AttentionBackend(ABC):
     ``plan`` turns a ForwardBatch into whatever index/mask state the kernels need, once per
     forward pass; ``run`` is called per layer with that layer's new q/k/v, writes k/v into the
     pool at ``forward_batch.slots`` and returns the attention output for the new tokens.
+    ``run_qkv`` starts one step earlier, from the fused projection's rows before RoPE, so a
+    backend with a fused kernel does RoPE, the write and attention in one call.
     """
 
     name: str = "base"
@@ -44,3 +47,13 @@ class AttentionBackend(ABC):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
     ) -> torch.Tensor:
         """q ``[T, num_heads, head_dim]``, k/v ``[T, num_kv_heads, head_dim]`` -> ``[T, num_heads, head_dim]``."""
+
+    def run_qkv(self, layer: int, qkv: torch.Tensor, rope: Rope, pool: KVPool) -> torch.Tensor:
+        """Rows ``[T, (num_heads + 2 num_kv_heads) * head_dim]`` (q heads, k heads, v heads)
+        -> ``[T, num_heads * head_dim]``: RoPE on q and k, then ``run``."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # q and k sit side by side in each row: rotate both heads' sets in one pass.
+        qk = qkv[:, : (hq + hkv) * d].unflatten(-1, (hq + hkv, d))
+        apply_rope_(qk, *rope)
+        v = qkv[:, (hq + hkv) * d :].unflatten(-1, (hkv, d))
+        return self.run(layer, qk[:, :hq], qk[:, hq:], v, pool).reshape(-1, hq * d)

@@ -17,6 +17,7 @@ from engine.model.attention import native
 from engine.model.attention.base import AttentionBackend
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
+from engine.model.rope import Rope
 
 
 class ExactAttentionBackend(AttentionBackend):
@@ -68,3 +69,19 @@ class ExactAttentionBackend(AttentionBackend):
             self.threads,
         )
         return out.view(q.shape).to(q.dtype)
+
+    def run_qkv(self, layer: int, qkv: torch.Tensor, rope: Rope, pool: KVPool) -> torch.Tensor:
+        """RoPE, the K/V write and attention in one native call (float32 rows from our
+        products; other rows take the unfused path)."""
+        fb, plan = self._fb, self._native
+        if fb is None or plan is None:
+            raise RuntimeError("ExactAttentionBackend.run_qkv called before plan")
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
+            return super().run_qkv(layer, qkv, rope, pool)
+        hkv, d = self.num_kv_heads, self.head_dim
+        cos, sin = (t.reshape(-1, d // 2).float().contiguous() for t in rope)
+        out = native.rope_write_attend(
+            self.kernel, qkv, cos, sin, fb.slots, pool.k_cache[layer], pool.v_cache[layer],
+            plan, self.num_heads // hkv, d**-0.5, self.threads,
+        )
+        return out.view(-1, self.num_heads * d)

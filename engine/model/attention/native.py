@@ -118,3 +118,37 @@ def attend(
         scale,
         threads,
     )
+
+
+def rope_write_attend(
+    kernel: ModuleType,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: NativePlan,
+    group: int,
+    scale: float,
+    threads: int = 1,
+) -> torch.Tensor:
+    """Fused projection rows ``[T, (Hq + 2 Hkv) * D]`` float32 -> ``[T, Hq, D]`` float32: RoPE
+    by ``cos``/``sin`` ``[T, D/2]``, the new K/V written at int64 ``slots``, then ``attend``."""
+    return kernel.rope_write_attend(
+        qkv,
+        cos,
+        sin,
+        slots,
+        k_pages,
+        v_pages,
+        plan.tables,
+        plan.table_lens,
+        plan.q_seq,
+        plan.q_pos,
+        plan.order,
+        plan.item_ptr,
+        group,
+        scale,
+        threads,
+    )

@@ -60,6 +60,7 @@ constexpr int NACC = TILE * LANES / W;  // accumulators per row (4)
 // The value pass holds VECS vectors of each row's output dims (64 dims under AVX-512).
 constexpr int VECS = 4;
 constexpr int DIM_MULTIPLE = 32;  // head_dim: whole passes of values (native.HEAD_DIM_MULTIPLE)
+constexpr int64_t kMaxDim = 512;  // head_dim the fused RoPE's stack buffer holds
 
 // x in every lane (written out: GCC compiles a lane-by-lane loop into masked inserts)
 template <typename V>
@@ -510,8 +511,18 @@ void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t 
   }
 }
 
-template <typename scalar_t>
-void run(const Args<scalar_t>& a, int64_t items, int threads) {
+// Does nothing to the tokens before they are attended (``exact_attention``: q, K and V are
+// ready).
+struct NoPrepare {
+  static constexpr bool kActive = false;
+  void operator()(int64_t) const {}
+};
+
+// ``prepare(t)`` for every token t (split over the threads), then every token attended: one
+// parallel region, a barrier between the two (a prefill's tokens read each other's keys).
+template <typename scalar_t, typename Prepare = NoPrepare>
+void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0,
+         const Prepare& prepare = Prepare()) {
   // Work units: the items, cut where two tokens of different sequences start on different
   // pages (they share no block, so nothing is lost), times the KV heads. A decode item of 8
   // unrelated requests is then 8 units per head, which threads share evenly.
@@ -530,9 +541,14 @@ void run(const Args<scalar_t>& a, int64_t items, int threads) {
   // Units are claimed dynamically (they differ in cost); which thread runs one never
   // changes what it computes. One parallel region of ``threads`` threads per call, whatever
   // torch's own thread setting (a decode step's attention is worth both cores).
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, work)));
+  const int nt = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(threads, std::max(work, tokens))));
 #pragma omp parallel num_threads(nt)
   {
+    if constexpr (Prepare::kActive) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < tokens; ++t) prepare(t);
+    }  // implicit barrier: every token's K and V is in the pool before any is read
     Scratch scratch;
     for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1)) {
       const int64_t u = w / a.hkv;
@@ -579,9 +595,115 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+// RoPE (half-split pairs (i, i + D/2), as transformers' rotate_half) of one head's D values:
+// each output one rounded product minus/plus another, the same for q and k on every token.
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    out[i] = x1 * cos[i] - x2 * sin[i];
+    out[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+// One token's new q, K and V from its row of the fused projection [q heads | k heads | v
+// heads]: q rotated into ``q``, K rotated and V copied into the pool at its slot (rounded to
+// the pool's dtype as torch rounds: to nearest even).
+template <typename scalar_t>
+struct RopeWrite {
+  static constexpr bool kActive = true;
+  const float* qkv;
+  int64_t ldqkv;
+  const float* cos;  // [T, D/2]
+  const float* sin;
+  const int64_t* slots;
+  scalar_t* k;  // [slots, Hkv, D]
+  scalar_t* v;
+  float* q;  // [T, Hq, D]
+  int64_t hq, hkv, dim;
+
+  void operator()(int64_t t) const {
+    const float* row = qkv + t * ldqkv;
+    const float* c = cos + t * (dim / 2);
+    const float* s = sin + t * (dim / 2);
+    for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, c, s, dim, q + (t * hq + h) * dim);
+    scalar_t* kt = k + slots[t] * hkv * dim;
+    scalar_t* vt = v + slots[t] * hkv * dim;
+    float rotated[kMaxDim];
+    for (int64_t h = 0; h < hkv; ++h) {
+      rotate(row + (hq + h) * dim, c, s, dim, rotated);
+      const float* vs = row + (hq + hkv + h) * dim;
+      for (int64_t e = 0; e < dim; ++e) {
+        kt[h * dim + e] = static_cast<scalar_t>(rotated[e]);
+        vt[h * dim + e] = static_cast<scalar_t>(vs[e]);
+      }
+    }
+  }
+};
+
+// Attention for a layer straight from its fused q/k/v projection rows ``qkv`` [T, (Hq + 2
+// Hkv) * D]: RoPE on q and k (``cos``/``sin`` [T, D/2] of each token's position), the new K
+// and V written into the pool at ``slots``, then every token attended as ``exact_attention``
+// does. One call, one parallel region: no tensor ops in between.
+torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                torch::Tensor slots, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor tables, torch::Tensor table_lens,
+                                torch::Tensor q_seq, torch::Tensor q_pos, torch::Tensor order,
+                                torch::Tensor item_ptr, int64_t group, double scale,
+                                int64_t threads) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache, v_cache: contiguous [pages, page_size, Hkv, D] of one dtype");
+  const int64_t hkv = k_cache.size(2), dim = k_cache.size(3), hq = hkv * group;
+  const int64_t T = qkv.size(0), capacity = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.stride(1) == 1 &&
+                  qkv.size(1) == (hq + 2 * hkv) * dim,
+              "qkv: float32 [T, (Hq + 2 Hkv) * D] with unit column stride");
+  TORCH_CHECK(dim % DIM_MULTIPLE == 0 && dim <= kMaxDim, "head_dim: a multiple of 32, at most ",
+              kMaxDim);
+  for (const auto& t : {cos, sin})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == T * dim / 2,
+                "cos, sin: contiguous float32 [T, D/2]");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T,
+              "slots: int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slots: ", sp[t], " outside the pool's ",
+                capacity);
+  for (const auto& t : {tables, table_lens, q_seq, q_pos, order, item_ptr})
+    TORCH_CHECK(t.scalar_type() == torch::kInt && t.is_contiguous(), "index tensors: int32");
+  auto q = torch::empty({T, hq, dim}, qkv.options());
+  auto out = torch::empty_like(q);
+  const int64_t items = item_ptr.numel() - 1;
+  auto fill = [&](auto* k, auto* v) {
+    using scalar_t = std::remove_pointer_t<decltype(k)>;
+    Args<scalar_t> a{q.data_ptr<float>(), k, v, out.data_ptr<float>(),
+                     tables.data_ptr<int32_t>(), tables.size(1),
+                     table_lens.data_ptr<int32_t>(), q_seq.data_ptr<int32_t>(),
+                     q_pos.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
+                     item_ptr.data_ptr<int32_t>(), hkv, group, dim, k_cache.size(1),
+                     static_cast<float>(scale)};
+    const RopeWrite<scalar_t> prepare{qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
+                                      sin.data_ptr<float>(), sp, k, v, q.data_ptr<float>(), hq,
+                                      hkv, dim};
+    run(a, items, static_cast<int>(threads), T, prepare);
+  };
+  if (k_cache.scalar_type() == torch::kFloat) {
+    fill(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    fill(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "k_cache: float32 or bfloat16");
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_attention", &exact_attention,
         "Batch-invariant paged attention (see engine/model/attention/native.py)");
+  m.def("rope_write_attend", &rope_write_attend,
+        "RoPE, the K/V write and exact_attention in one call, from fused q/k/v rows");
 }

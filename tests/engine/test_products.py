@@ -110,6 +110,25 @@ def test_fused_prologues_and_epilogues_compute_what_they_name(kernel: ModuleType
     torch.testing.assert_close(packed(gu, SILU_MUL, residual=res), res + act @ w.T + b)
 
 
+def test_silu_prologue_is_accurate_and_finite_across_the_float32_range(
+    kernel: ModuleType,
+) -> None:
+    """The vectorised exp under SiLU clamps where float32's exp would overflow: gates far
+    past +-88 still give silu(g) (g or -0), and ordinary ones match torch's to float32's
+    precision, in whole vectors and in the scalar tail alike (k = 37)."""
+    k = 37
+    gates = torch.tensor([-300.0, -120.0, -88.5, -87.5, -20.0, -1e-3, 0.0, 1e-3, 3.0, 87.5, 88.5,
+                          120.0, 300.0])
+    gate = gates.repeat(k // len(gates) + 1)[:k]
+    eye = torch.eye(k)
+    packed = PackedWeight(kernel, eye)  # y = silu(gate) * up exactly, column by column
+    up = torch.linspace(-2.0, 2.0, k)
+    got = packed(torch.cat([gate, up])[None], SILU_MUL)[0]
+    want = (torch.nn.functional.silu(gate.double()) * up.double()).float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+
+
 def test_a_weight_that_does_not_match_the_input_is_refused(kernel: ModuleType) -> None:
     packed = PackedWeight(kernel, torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="features"):

@@ -223,7 +223,7 @@ constexpr int NP_WIDE = VW == 16 ? 4 : 2;
 constexpr int NP_BIG = VW == 16 ? 2 : 1;
 constexpr int MR_BIG = VW == 16 ? 6 : 3;
 constexpr int64_t ROW_BLOCK = 96;
-constexpr int64_t CLAIM = 16;  // panels a thread claims at a time (a multiple of NP_WIDE)
+constexpr int64_t CLAIM = 8;  // panels a thread claims at a time (a multiple of NP_WIDE)
 
 // Rows mb..me of NP panels from p; ``ahead``: the next NP panels are the thread's next.
 template <int NP, int MR, typename Kernel>
@@ -270,12 +270,53 @@ void rmsnorm_row(const float* x, int64_t K, const float* weight, double eps, flo
   for (int64_t j = 0; j < K; ++j) out[j] = (x[j] * r) * weight[j];
 }
 
-// silu(gate) * up for a row [gate | up] of 2K values.
+// exp(x) in every lane by the same instructions (Cody-Waite reduction by ln 2, a degree-6
+// polynomial; ~1 ulp), x clamped to [-87, 88] where float32's exp stays finite and normal.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.0f), hi = splat(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf k = (x * splat(1.44269504088896341f) + magic) - magic;
+  vf r = x - k * splat(0.693359375f);
+  r = r - k * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = fma(p, r, splat(1.3981999507e-3f));
+  p = fma(p, r, splat(8.3334519073e-3f));
+  p = fma(p, r, splat(4.1665795894e-2f));
+  p = fma(p, r, splat(1.6666665459e-1f));
+  p = fma(p, r, splat(5.0000001201e-1f));
+  const vf y = fma(p, r * r, r) + splat(1.0f);
+  typedef int32_t vi __attribute__((vector_size(VW * 4)));
+  const vi bits = (__builtin_convertvector(k, vi) + 127) << 23;
+  return y * (vf)bits;
+}
+
+// silu(gate) * up for a row [gate | up] of 2K values: (g / (1 + exp(-g))) * up, whole vectors
+// by vexp, the last K % VW columns by the C library's exp (the same columns in every row).
 void silu_mul_row(const float* x, int64_t K, float* out) {
-  for (int64_t j = 0; j < K; ++j) {
+  int64_t j = 0;
+  for (; j + VW <= K; j += VW) {
+    const vf g = loadf(x + j);
+    storef(out + j, (g / (splat(1.0f) + vexp(-g))) * loadf(x + K + j));
+  }
+  for (; j < K; ++j) {
     const float g = x[j];
     out[j] = (g / (1.0f + std::exp(-g))) * x[K + j];
   }
+}
+
+// A row rounded to bfloat16 (to nearest even) for the dot path: whole vectors by
+// vcvtneps2bf16, which reads denormals as zero, as vdpbf16ps does its inputs anyway.
+void bf16_row(const float* x, int64_t K, uint16_t* out) {
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  for (; k + 16 <= K; k += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + k));
+    std::memcpy(out + k, &h, 32);
+  }
+#endif
+  for (; k < K; ++k) out[k] = to_bf16(x[k]);
 }
 
 // w [N, K] (a linear layer's weight, transformers' layout) -> packed panels.
@@ -363,7 +404,7 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
         else std::memcpy(to, src, K_in * sizeof(float));
         if (dot) {
           uint16_t* h = stage_h.data() + m * lds;
-          for (int64_t k = 0; k < K_in; ++k) h[k] = to_bf16(to[k]);
+          bf16_row(to, K_in, h);
           for (int64_t k = K_in; k < lds; ++k) h[k] = 0;
         }
       }  // implicit barrier: every row staged before any product reads it

@@ -44,10 +44,6 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));  // W bfloat16
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 
-#ifndef PF_LOCALITY
-#define PF_LOCALITY 3
-#define PF_AHEAD 3
-#endif
 constexpr int BLOCK = 64;  // keys per block: the unit of the float32 partial sums
 constexpr int LANES = 8;   // lanes of one score's partial sums
 // Register tiles. Query rows per tile: rows reading the same keys (a decode's heads of one
@@ -362,7 +358,7 @@ inline void prefetch_block(const Args<scalar_t>& a, const scalar_t* base, int64_
   const int64_t bytes = a.dim * static_cast<int64_t>(sizeof(scalar_t));
   for (int j = 0; j < BLOCK; ++j) {
     const char* row = reinterpret_cast<const char*>(base + (slots[j] * a.hkv + h) * a.dim);
-    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, PF_LOCALITY);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 3);
   }
 }
 
@@ -388,8 +384,7 @@ void for_each_run(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int6
       const int n = static_cast<int>(std::min<int64_t>(BLOCK, a.q_pos[t] + 1 - b * BLOCK));
       if (a.q_seq[t] != seq_at) {
         seq_at = a.q_seq[t];
-        if (b + PF_AHEAD < nb) prefetch_block(a, base, h, seq_at, b + PF_AHEAD, slots);
-        if (b == 0) for (int64_t ahead = 1; ahead < PF_AHEAD && ahead < nb; ++ahead) prefetch_block(a, base, h, seq_at, ahead, slots);
+        if (b + 1 < nb) prefetch_block(a, base, h, seq_at, b + 1, slots);
         block_slots(a, seq_at, b, slots);
         if (std::memcmp(slots, held, sizeof slots) != 0) {
           if (!run.empty()) visit(b, run, view);

@@ -254,17 +254,24 @@ void sweep(const Kernel& kn, int64_t M, int64_t p0, int64_t p1) {
 // Row-wise input transforms, each in one fixed order per row.
 enum Prologue : int64_t { NONE = 0, RMSNORM = 1, SILU_MUL = 2 };
 
-// x * rsqrt(mean(x^2) + eps) * weight: squares summed in VW lanes in k order, the lanes
-// folded left to right.
+// Row transforms are defined on 16 lanes whatever the build's vector width, so that an AVX2
+// build (two 8-float vectors per step) gives the bits of an AVX-512 one.
+constexpr int ROW_LANES = 16;
+static_assert(ROW_LANES % VW == 0, "a row step is whole vectors");
+
+// x * rsqrt(mean(x^2) + eps) * weight: squares summed in 16 lanes in k order, the lanes
+// folded left to right, the last K % 16 squares added in order.
 void rmsnorm_row(const float* x, int64_t K, const float* weight, double eps, float* out) {
-  vf acc = {};
+  vf acc[ROW_LANES / VW] = {};
   int64_t k = 0;
-  for (; k + VW <= K; k += VW) {
-    const vf v = loadf(x + k);
-    acc = fma(v, v, acc);
-  }
+  for (; k + ROW_LANES <= K; k += ROW_LANES)
+    for (int h = 0; h < ROW_LANES / VW; ++h) {
+      const vf v = loadf(x + k + h * VW);
+      acc[h] = fma(v, v, acc[h]);
+    }
   float ss = 0.0f;
-  for (int i = 0; i < VW; ++i) ss += acc[i];
+  for (int h = 0; h < ROW_LANES / VW; ++h)
+    for (int i = 0; i < VW; ++i) ss += acc[h][i];
   for (; k < K; ++k) ss = std::fma(x[k], x[k], ss);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
   for (int64_t j = 0; j < K; ++j) out[j] = (x[j] * r) * weight[j];
@@ -292,14 +299,16 @@ inline vf vexp(vf x) {
   return y * (vf)bits;
 }
 
-// silu(gate) * up for a row [gate | up] of 2K values: (g / (1 + exp(-g))) * up, whole vectors
-// by vexp, the last K % VW columns by the C library's exp (the same columns in every row).
+// silu(gate) * up for a row [gate | up] of 2K values: (g / (1 + exp(-g))) * up, steps of 16
+// columns by vexp, the last K % 16 by the C library's exp (the same columns in every row and
+// every build).
 void silu_mul_row(const float* x, int64_t K, float* out) {
   int64_t j = 0;
-  for (; j + VW <= K; j += VW) {
-    const vf g = loadf(x + j);
-    storef(out + j, (g / (splat(1.0f) + vexp(-g))) * loadf(x + K + j));
-  }
+  for (; j + ROW_LANES <= K; j += ROW_LANES)
+    for (int h = 0; h < ROW_LANES; h += VW) {
+      const vf g = loadf(x + j + h);
+      storef(out + j + h, (g / (splat(1.0f) + vexp(-g))) * loadf(x + K + j + h));
+    }
   for (; j < K; ++j) {
     const float g = x[j];
     out[j] = (g / (1.0f + std::exp(-g))) * x[K + j];

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -96,11 +97,15 @@ inline vf load_row(const at::BFloat16* p) {
   return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
+// a * b + c rounded once, in every build: without the FMA instruction, the C library's fma
+// (exact, slow), never a product and a sum rounded apart (other bits than an FMA build's).
 inline v8f fmadd(v8f a, v8f b, v8f c) {
 #if defined(__x86_64__) && defined(__FMA__)
   return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
-  return a * b + c;
+  v8f r;
+  for (int i = 0; i < 8; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
 #endif
 }
 

@@ -98,8 +98,23 @@ def test_both_replicas_serve_and_a_shared_prefix_stays_on_one(
         time.sleep(0.2)  # let the replica's KV events reach the router
     assert cached[0] == 0
     assert all(c >= 48 for c in cached[1:]), cached  # the system prompt's pages, every time
-    # Both served: the concurrent test before this one spread its requests (run alone, four
-    # sequential requests of one prefix rightly stay on one replica and this fails).
+
+    # Both serve under load: a burst of 12 requests long enough to overlap puts more than the
+    # balance threshold (4) in one replica's queue, so the router must use the other. (Four
+    # sequential requests of one prefix rightly stay on one replica; a short burst may too,
+    # when the replicas finish each request before the next arrives.)
+    def ask(i: int) -> int:
+        reply = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=f"List {i} tools for a {uuid.uuid4().hex[:8]} project:",
+            max_tokens=48,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return reply.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        assert list(pool.map(ask, range(12))) == [48] * 12
     assert all(s["requests"] > 0 for s in replicas(cluster_url).values())
 
 

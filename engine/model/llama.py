@@ -14,6 +14,8 @@ be built) torch's products run in the model's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,22 +114,6 @@ class Attention(nn.Module):
         it has one)."""
         return backend.run_qkv(self.layer, qkv, rope, pool)
 
-    def forward_native(
-        self,
-        x: torch.Tensor,
-        norm: RMSNorm,
-        norm_weight: torch.Tensor,
-        rope: Rope,
-        backend: AttentionBackend,
-        pool: KVPool,
-        threads: int,
-    ) -> torch.Tensor:
-        """``x + attention(norm(x))`` with our products, float32."""
-        assert self.qkv_proj.packed is not None and self.o_proj.packed is not None
-        qkv = self.qkv_proj.packed(x, RMSNORM, norm_weight, norm.eps, threads=threads)
-        out = self._attend(qkv, rope, backend, pool)
-        return self.o_proj.packed(out, NONE, residual=x, threads=threads)
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -148,8 +134,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
-        # float32 copies of the norms' weights for the native products (set when packed)
-        self.norm_weights: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def forward(
         self,
@@ -161,25 +145,41 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, backend, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_native(
-        self,
-        x: torch.Tensor,
-        rope: Rope,
-        backend: AttentionBackend,
-        pool: KVPool,
-        threads: int,
+
+@dataclass(frozen=True, slots=True)
+class NativeLayer:
+    """A decoder layer as our kernels run it: four packed products and one attention call,
+    float32 in and out. Plain attributes, so a step reads no ``nn.Module`` lookups."""
+
+    layer: int
+    qkv: PackedWeight
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+    norm_in: torch.Tensor  # float32 copies of the RMSNorm weights
+    norm_post: torch.Tensor
+    eps_in: float
+    eps_post: float
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> NativeLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, o = attn.qkv_proj.packed, attn.o_proj.packed
+        gate_up, down = mlp.gate_up_proj.packed, mlp.down_proj.packed
+        assert qkv is not None and o is not None and gate_up is not None and down is not None
+        norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        return cls(
+            attn.layer, qkv, o, gate_up, down, norm_in.weight_f32(), norm_post.weight_f32(),
+            norm_in.eps, norm_post.eps,
+        )
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, backend: AttentionBackend, pool: KVPool, threads: int
     ) -> torch.Tensor:
-        """The layer with our products: four native calls around RoPE and attention."""
-        w_in, w_post = self.norm_weights
-        x = self.self_attn.forward_native(
-            x, self.input_layernorm, w_in, rope, backend, pool, threads
-        )
-        mlp = self.mlp
-        assert mlp.gate_up_proj.packed is not None and mlp.down_proj.packed is not None
-        gate_up = mlp.gate_up_proj.packed(
-            x, RMSNORM, w_post, self.post_attention_layernorm.eps, threads=threads
-        )
-        return mlp.down_proj.packed(gate_up, SILU_MUL, residual=x, threads=threads)
+        qkv = self.qkv(x, RMSNORM, self.norm_in, self.eps_in, threads=threads)
+        x = self.o(backend.run_qkv(self.layer, qkv, rope, pool), NONE, residual=x, threads=threads)
+        gate_up = self.gate_up(x, RMSNORM, self.norm_post, self.eps_post, threads=threads)
+        return self.down(gate_up, SILU_MUL, residual=x, threads=threads)
 
 
 class LlamaModel(nn.Module):
@@ -196,6 +196,7 @@ class LlamaModel(nn.Module):
         self.lm_head = Dense(config.hidden_size, config.vocab_size)
         self.products: str | None = None  # our kernel's path once packed, else None (torch)
         self._final_norm_weight = torch.empty(0)
+        self._native_layers: list[NativeLayer] = []
 
     @torch.no_grad()
     def use_native_products(self, kernel: object) -> None:
@@ -206,11 +207,7 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Dense):
                 module.pack(kernel)
-        for layer in self.layers:
-            layer.norm_weights = (
-                layer.input_layernorm.weight_f32(),
-                layer.post_attention_layernorm.weight_f32(),
-            )
+        self._native_layers = [NativeLayer.of(layer) for layer in self.layers]
         self._final_norm_weight = self.norm.weight_f32()
         assert self.lm_head.packed is not None
         self.products = self.lm_head.packed.path()
@@ -229,8 +226,8 @@ class LlamaModel(nn.Module):
         if self.products is not None:
             x = x.float()
             rope = self.rope.lookup(forward_batch.positions, x.dtype)
-            for layer in self.layers:
-                x = layer.forward_native(x, rope, backend, pool, threads)
+            for native_layer in self._native_layers:
+                x = native_layer.forward(x, rope, backend, pool, threads)
             assert self.lm_head.packed is not None
             return self.lm_head.packed(
                 x.index_select(0, forward_batch.logits_indices),

@@ -463,6 +463,16 @@ void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t 
                  });
                });
 
+  // the values' first block is on its way while the maxima and exps are computed
+  {
+    int64_t slots[BLOCK];
+    int32_t seq_at = -1;
+    for (int64_t i = 0; i < count; ++i) {
+      const int32_t s = a.q_seq[a.order[first + i]];
+      if (s != seq_at) prefetch_block(a, a.v, h, seq_at = s, 0, slots);
+    }
+  }
+
   // each row: its exact maximum over keys 0..pos, then exp over its whole blocks
   for (int64_t i = 0; i < count; ++i) {
     const int64_t len = a.q_pos[a.order[first + i]] + 1;

@@ -69,7 +69,8 @@ def resolve_device(device: str | torch.device | None = "cpu") -> torch.device:
     return dev
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where it does not)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -99,7 +100,7 @@ def bf16_matmul_works() -> bool:
 
 def _check_cpu_bf16(dtype: torch.dtype, device: torch.device) -> None:
     """Refuse bf16/fp16 on a CPU whose advertised AMX would crash the process."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or "amx_tile" not in _cpu_flags():
+    if device.type != "cpu" or dtype != torch.bfloat16 or "amx_tile" not in cpu_flags():
         return
     if not bf16_matmul_works():
         raise ValueError(

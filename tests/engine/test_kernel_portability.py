@@ -15,22 +15,11 @@ import torch
 
 from engine.model import native_build
 from engine.model.attention import native
+from engine.model.loader import cpu_flags
 from engine.model.products import NONE, RMSNORM, SILU_MUL, PackedWeight
 from engine.model.products import SOURCE as PRODUCTS
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-FLAGS = _cpu_flags()
+FLAGS = cpu_flags()  # empty where /proc/cpuinfo has none
 # x86-64-v3 needs these to run; x86-64 runs on any x86-64 CPU
 TARGETS = {
     "x86-64-v3": {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"},

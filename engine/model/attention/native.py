@@ -47,6 +47,10 @@ class NativePlan:
     order: torch.Tensor  # [T]: tokens in item order
     item_ptr: torch.Tensor  # [items + 1]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The plan as the kernel's calls take it, in their order."""
+        return (self.tables, self.table_lens, self.q_seq, self.q_pos, self.order, self.item_ptr)
+
 
 def plan_native(
     qo_lens: list[int], kv_lens: list[int], tables: list[list[int]], device: torch.device
@@ -105,18 +109,7 @@ def attend(
     """q ``[T, Hq, D]`` float32 -> ``[T, Hq, D]`` float32 over the pool layer's pages, on
     ``threads`` threads (one parallel region, whatever torch's own setting)."""
     return kernel.exact_attention(
-        q.contiguous(),
-        k_pages,
-        v_pages,
-        plan.tables,
-        plan.table_lens,
-        plan.q_seq,
-        plan.q_pos,
-        plan.order,
-        plan.item_ptr,
-        group,
-        scale,
-        threads,
+        q.contiguous(), k_pages, v_pages, *plan.tensors(), group, scale, threads
     )
 
 
@@ -136,19 +129,5 @@ def rope_write_attend(
     """Fused projection rows ``[T, (Hq + 2 Hkv) * D]`` float32 -> ``[T, Hq, D]`` float32: RoPE
     by ``cos``/``sin`` ``[T, D/2]``, the new K/V written at int64 ``slots``, then ``attend``."""
     return kernel.rope_write_attend(
-        qkv,
-        cos,
-        sin,
-        slots,
-        k_pages,
-        v_pages,
-        plan.tables,
-        plan.table_lens,
-        plan.q_seq,
-        plan.q_pos,
-        plan.order,
-        plan.item_ptr,
-        group,
-        scale,
-        threads,
+        qkv, cos, sin, slots, k_pages, v_pages, *plan.tensors(), group, scale, threads
     )

@@ -567,6 +567,40 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
   }
 }
 
+// Checks the pool and the plan's index tensors, then calls ``go(args)`` with the kernel's
+// arguments in the pool's dtype (float32 or bfloat16).
+template <typename Go>
+void with_args(const torch::Tensor& q, const torch::Tensor& out, const torch::Tensor& k_cache,
+               const torch::Tensor& v_cache, const torch::Tensor& tables,
+               const torch::Tensor& table_lens, const torch::Tensor& q_seq,
+               const torch::Tensor& q_pos, const torch::Tensor& order,
+               const torch::Tensor& item_ptr, int64_t group, double scale, Go go) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache, v_cache: contiguous [pages, page_size, Hkv, D] of one dtype");
+  TORCH_CHECK(k_cache.size(3) % DIM_MULTIPLE == 0, "head_dim: must be a multiple of 32");
+  for (const auto& t : {tables, table_lens, q_seq, q_pos, order, item_ptr})
+    TORCH_CHECK(t.scalar_type() == torch::kInt && t.is_contiguous(), "index tensors: int32");
+  auto call = [&](auto* k, auto* v) {
+    using scalar_t = std::remove_pointer_t<decltype(k)>;
+    const Args<scalar_t> a{q.data_ptr<float>(), k, v, out.data_ptr<float>(),
+                           tables.data_ptr<int32_t>(), tables.size(1),
+                           table_lens.data_ptr<int32_t>(), q_seq.data_ptr<int32_t>(),
+                           q_pos.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
+                           item_ptr.data_ptr<int32_t>(), k_cache.size(2), group,
+                           k_cache.size(3), k_cache.size(1), static_cast<float>(scale)};
+    go(a, k, v);
+  };
+  if (k_cache.scalar_type() == torch::kFloat) {
+    call(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    call(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "k_cache: float32 or bfloat16");
+  }
+}
+
 torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor tables, torch::Tensor table_lens,
                               torch::Tensor q_seq, torch::Tensor q_pos, torch::Tensor order,
@@ -574,34 +608,14 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               int64_t threads) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
               "q: float32 [T, Hq, D], contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache, v_cache: contiguous [pages, page_size, Hkv, D] of one dtype");
-  const int64_t hkv = k_cache.size(2), dim = k_cache.size(3);
-  TORCH_CHECK(q.size(1) == hkv * group && q.size(2) == dim, "q: heads or head_dim mismatch");
-  TORCH_CHECK(dim % DIM_MULTIPLE == 0, "head_dim: must be a multiple of 32");
-  for (const auto& t : {tables, table_lens, q_seq, q_pos, order, item_ptr})
-    TORCH_CHECK(t.scalar_type() == torch::kInt && t.is_contiguous(), "index tensors: int32");
+  TORCH_CHECK(k_cache.dim() == 4 && q.size(1) == k_cache.size(2) * group &&
+                  q.size(2) == k_cache.size(3),
+              "q: heads or head_dim mismatch");
   auto out = torch::empty_like(q);
-  const int64_t items = item_ptr.numel() - 1;
-  auto fill = [&](auto* k, auto* v) {
-    using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
-    Args<scalar_t> a{q.data_ptr<float>(), k, v, out.data_ptr<float>(),
-                     tables.data_ptr<int32_t>(), tables.size(1),
-                     table_lens.data_ptr<int32_t>(), q_seq.data_ptr<int32_t>(),
-                     q_pos.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
-                     item_ptr.data_ptr<int32_t>(), hkv, group, dim, k_cache.size(1),
-                     static_cast<float>(scale)};
-    run(a, items, static_cast<int>(threads));
-  };
-  if (k_cache.scalar_type() == torch::kFloat) {
-    fill(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  } else if (k_cache.scalar_type() == torch::kBFloat16) {
-    fill(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
-  } else {
-    TORCH_CHECK(false, "k_cache: float32 or bfloat16");
-  }
+  with_args(q, out, k_cache, v_cache, tables, table_lens, q_seq, q_pos, order, item_ptr, group,
+            scale, [&](const auto& a, auto*, auto*) {
+              run(a, item_ptr.numel() - 1, static_cast<int>(threads));
+            });
   return out;
 }
 
@@ -661,10 +675,7 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 torch::Tensor q_seq, torch::Tensor q_pos, torch::Tensor order,
                                 torch::Tensor item_ptr, int64_t group, double scale,
                                 int64_t threads) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache, v_cache: contiguous [pages, page_size, Hkv, D] of one dtype");
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache: [pages, page_size, Hkv, D]");  // the rest: with_args
   const int64_t hkv = k_cache.size(2), dim = k_cache.size(3), hq = hkv * group;
   const int64_t T = qkv.size(0), capacity = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.stride(1) == 1 &&
@@ -681,31 +692,16 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slots: ", sp[t], " outside the pool's ",
                 capacity);
-  for (const auto& t : {tables, table_lens, q_seq, q_pos, order, item_ptr})
-    TORCH_CHECK(t.scalar_type() == torch::kInt && t.is_contiguous(), "index tensors: int32");
   auto q = torch::empty({T, hq, dim}, qkv.options());
   auto out = torch::empty_like(q);
-  const int64_t items = item_ptr.numel() - 1;
-  auto fill = [&](auto* k, auto* v) {
-    using scalar_t = std::remove_pointer_t<decltype(k)>;
-    Args<scalar_t> a{q.data_ptr<float>(), k, v, out.data_ptr<float>(),
-                     tables.data_ptr<int32_t>(), tables.size(1),
-                     table_lens.data_ptr<int32_t>(), q_seq.data_ptr<int32_t>(),
-                     q_pos.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
-                     item_ptr.data_ptr<int32_t>(), hkv, group, dim, k_cache.size(1),
-                     static_cast<float>(scale)};
-    const RopeWrite<scalar_t> prepare{qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
-                                      sin.data_ptr<float>(), sp, k, v, q.data_ptr<float>(), hq,
-                                      hkv, dim};
-    run(a, items, static_cast<int>(threads), T, prepare);
-  };
-  if (k_cache.scalar_type() == torch::kFloat) {
-    fill(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  } else if (k_cache.scalar_type() == torch::kBFloat16) {
-    fill(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
-  } else {
-    TORCH_CHECK(false, "k_cache: float32 or bfloat16");
-  }
+  with_args(q, out, k_cache, v_cache, tables, table_lens, q_seq, q_pos, order, item_ptr, group,
+            scale, [&](const auto& a, auto* k, auto* v) {
+              using scalar_t = std::remove_pointer_t<decltype(k)>;
+              const RopeWrite<scalar_t> prepare{qkv.data_ptr<float>(), qkv.stride(0),
+                                                cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                                sp, k, v, q.data_ptr<float>(), hq, hkv, dim};
+              run(a, item_ptr.numel() - 1, static_cast<int>(threads), T, prepare);
+            });
   return out;
 }
 

@@ -131,9 +131,17 @@ inline void store_tile(vf (&acc)[MR][NP * NV], float* y, int64_t ldy, int64_t m0
       const int64_t n = n0 + j * VW;
       if (n >= n_valid) break;
       vf v = acc[r][j];
+      if (n + VW <= n_valid) {  // whole vectors: the same sums as the lane loop below, and no
+                                // masked access (a masked-off lane on an unmapped page, as a
+                                // null bias's, costs AMD CPUs a microcode assist each time)
+        if (e.bias) v = v + loadf(e.bias + n);
+        if (res) v = loadf(res + n) + v;
+        storef(row + n, v);
+        continue;
+      }
       float tmp[VW];
       storef(tmp, v);
-      const int64_t cols = std::min<int64_t>(VW, n_valid - n);
+      const int64_t cols = n_valid - n;
       for (int i = 0; i < cols; ++i) {
         float s = tmp[i];
         if (e.bias) s = s + e.bias[n + i];
@@ -225,14 +233,35 @@ constexpr int MR_BIG = VW == 16 ? 6 : 3;
 constexpr int64_t ROW_BLOCK = 96;
 constexpr int64_t CLAIM = 8;  // panels a thread claims at a time (a multiple of NP_WIDE)
 
-// Rows mb..me of NP panels from p; ``ahead``: the next NP panels are the thread's next.
+// ``rows`` (1..MR) rows from m as one tile.
+template <int NP, int MR, typename Kernel>
+inline void tile_of(const Kernel& kn, int64_t m, int64_t rows, int64_t p, bool ahead) {
+  if constexpr (MR > 1) {
+    if (rows == MR) return kn.template tile<MR, NP>(m, p, ahead);
+    return tile_of<NP, MR - 1>(kn, m, rows, p, ahead);
+  } else {
+    kn.template tile<1, NP>(m, p, ahead);
+  }
+}
+
+// Rows mb..me of NP panels from p; ``ahead``: the next NP panels are the thread's next. The
+// last rows are split into tiles of nearly equal height (8 rows: 4 + 4, not 6 + 2), since a
+// short tile has too few independent sums in flight to keep the multipliers busy.
 template <int NP, int MR, typename Kernel>
 void rows_of_panel(const Kernel& kn, int64_t mb, int64_t me, int64_t p, bool ahead) {
   int64_t m = mb;
-  if constexpr (MR > 2)
-    for (; m + MR <= me; m += MR) kn.template tile<MR, NP>(m, p, ahead);
-  for (; m + 2 <= me; m += 2) kn.template tile<2, NP>(m, p, ahead);
-  for (; m < me; ++m) kn.template tile<1, NP>(m, p, ahead);
+  while (me - m > 2 * MR) {
+    kn.template tile<MR, NP>(m, p, ahead);
+    m += MR;
+  }
+  const int64_t left = me - m;
+  if (left > MR) {
+    const int64_t first = (left + 1) / 2;
+    tile_of<NP, MR>(kn, m, first, p, ahead);
+    tile_of<NP, MR>(kn, m + first, left - first, p, ahead);
+  } else if (left > 0) {
+    tile_of<NP, MR>(kn, m, left, p, ahead);
+  }
 }
 
 template <typename Kernel>

@@ -33,10 +33,9 @@ def _build(source_kind: str, march: str) -> ModuleType:
     if not TARGETS[march] <= FLAGS:
         pytest.skip(f"this CPU cannot run {march} code")
     tag = march.replace("-", "_")  # a module name
-    if source_kind == "products":
-        module = native_build.load_native(PRODUCTS, f"radixkv_dense_{tag}", "skip", march)
-    else:
-        module = native_build.load_native(native.SOURCE, f"radixkv_exact_{tag}", "skip", march)
+    source, prefix = (PRODUCTS, "radixkv_dense") if source_kind == "products" else (
+        native.SOURCE, "radixkv_exact")
+    module = native_build.load_native(source, f"{prefix}_{tag}", "nothing to compare", march)
     assert module is not None, f"the {source_kind} kernel did not build for {march}"
     return module
 

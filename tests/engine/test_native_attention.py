@@ -233,10 +233,6 @@ def test_fused_rope_and_kv_write_equal_the_separate_steps(
     assert torch.equal(fused_v, v_pool)
     separate = native.attend(kernel, qk[:, :hq].contiguous(), k_pool, v_pool, plan, G, SCALE)
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
-    # bit for bit where the rotation's bits agree (the usual case on one machine)
-    if torch.equal(fused_k, k_pool):
-        again = native.attend(kernel, qk[:, :hq].contiguous(), fused_k, fused_v, plan, G, SCALE)
-        assert torch.equal(again, separate)
 
 
 def test_fused_call_rejects_a_slot_outside_the_pool(kernel: ModuleType) -> None:

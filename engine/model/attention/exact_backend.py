@@ -37,8 +37,6 @@ class ExactAttentionBackend(AttentionBackend):
         self.threads = threads  # every pass's attention runs on this many threads
         self._native: native.NativePlan | None = None
         self._fb: ForwardBatch | None = None
-        # the pass's cos/sin as the kernel takes them, keyed by the model's lookup
-        self._rope: tuple[Rope, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def kernel_name(self) -> str:
@@ -53,7 +51,6 @@ class ExactAttentionBackend(AttentionBackend):
         indptr = fb.kv_indptr.tolist()
         pages = fb.kv_indices.tolist()
         self._fb = fb
-        self._rope = None
         tables = [pages[indptr[b] : indptr[b + 1]] for b in range(fb.batch_size)]
         self._native = native.plan_native(fb.qo_lens, fb.kv_lens, tables, fb.input_ids.device)
 
@@ -82,10 +79,7 @@ class ExactAttentionBackend(AttentionBackend):
         if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
             return super().run_qkv(layer, qkv, rope, pool)
         hkv, d = self.num_kv_heads, self.head_dim
-        if self._rope is None or self._rope[0] is not rope:  # once per pass, not per layer
-            cos, sin = (t.reshape(-1, d // 2).float().contiguous() for t in rope)
-            self._rope = (rope, cos, sin)
-        _, cos, sin = self._rope
+        cos, sin = rope  # [T, 1, D/2] float32 and contiguous: the kernel reads them as [T, D/2]
         out = native.rope_write_attend(
             self.kernel, qkv, cos, sin, fb.slots, pool.k_cache[layer], pool.v_cache[layer],
             plan, self.num_heads // hkv, d**-0.5, self.threads,

@@ -127,7 +127,8 @@ def rope_write_attend(
     threads: int = 1,
 ) -> torch.Tensor:
     """Fused projection rows ``[T, (Hq + 2 Hkv) * D]`` float32 -> ``[T, Hq, D]`` float32: RoPE
-    by ``cos``/``sin`` ``[T, D/2]``, the new K/V written at int64 ``slots``, then ``attend``."""
+    by ``cos``/``sin`` (contiguous float32, ``T * D/2`` values: ``[T, D/2]`` or the model's
+    ``[T, 1, D/2]``), the new K/V written at int64 ``slots``, then ``attend``."""
     return kernel.rope_write_attend(
         qkv, cos, sin, slots, k_pages, v_pages, *plan.tensors(), group, scale, threads
     )

@@ -114,6 +114,12 @@ inline void prefetch_row(const void* p, int bytes) {
   for (int b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
 }
 
+// The rows at ``offset`` of the NP panels after a tile's own NP (from ``wp``, ``panel`` apart).
+template <int NP, typename T>
+inline void prefetch_next(const T* wp, int64_t panel, int64_t offset, int bytes) {
+  for (int q = 0; q < NP; ++q) prefetch_row(wp + (NP + q) * panel + offset, bytes);
+}
+
 // What is added to a tile's sums before they are stored: bias, then the residual.
 struct Epilogue {
   const float* bias;      // [N] or null
@@ -172,8 +178,7 @@ struct FmaKernel {
     const W* wp = w + p * panel;
     const float* xr = x + m0 * ldx;
     for (int64_t k = 0; k < K; ++k) {
-      if (ahead)
-        for (int q = 0; q < NP; ++q) prefetch_row(wp + (NP + q) * panel + k * NR, NR * sizeof(W));
+      if (ahead) prefetch_next<NP>(wp, panel, k * NR, NR * sizeof(W));
       vf wv[NP * NV];
       for (int q = 0; q < NP; ++q)
         for (int v = 0; v < NV; ++v) wv[q * NV + v] = loadw(wp + q * panel + k * NR + v * VW);
@@ -205,8 +210,7 @@ struct DotKernel {
     const uint16_t* wp = w + p * panel;
     const uint16_t* xr = x + m0 * ldx;
     for (int64_t k = 0; k < K2; ++k) {
-      if (ahead)
-        for (int q = 0; q < NP; ++q) prefetch_row(wp + (NP + q) * panel + k * NR * 2, NR * 4);
+      if (ahead) prefetch_next<NP>(wp, panel, k * NR * 2, NR * 4);
       __m512i wv[NP * NV];
       for (int q = 0; q < NP; ++q)
         for (int v = 0; v < NV; ++v)

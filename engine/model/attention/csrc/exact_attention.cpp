@@ -685,7 +685,7 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
               kMaxDim);
   for (const auto& t : {cos, sin})
     TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == T * dim / 2,
-                "cos, sin: contiguous float32 [T, D/2]");
+                "cos, sin: contiguous float32, T * D/2 values ([T, D/2] or [T, 1, D/2])");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T,
               "slots: int64 [T]");
   const int64_t* sp = slots.data_ptr<int64_t>();

@@ -74,7 +74,7 @@ class ModelRunner:
         self.threads = threads if loaded.device.type == "cpu" else None
         self.product_threads = threads.max_threads if self.threads is not None else 1
         self.backend = create_backend(
-            backend, cfg, loaded.device, batch_invariant, self.product_threads
+            backend, cfg, loaded.device, batch_invariant, self.product_threads, loaded.dtype
         )
         # Invariant only where both products and attention are ours (the probe verifies it).
         self.batch_invariant = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import os
 import warnings
@@ -565,9 +566,10 @@ def _check_backend(backend: str) -> None:
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto": FlashInfer on CUDA when that backend is available, the torch one otherwise."""
+    """"auto": FlashInfer on CUDA where it is installed (the ``gpu`` extra), the torch one
+    otherwise (on the CPU the flashinfer backend is only its slow reference, for tests)."""
     if backend != "auto":
         return backend
-    if device.type == "cuda" and "flashinfer" in BACKENDS:
+    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
         return "flashinfer"
     return "torch"

@@ -27,6 +27,26 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+def under_long_system_prompt(tokenizer: Any) -> tuple[list[Any], list[list[int]]]:
+    """Four chats under one ~400-token system prompt (a prefix their decodes share), and
+    their token ids as the chat template renders them."""
+    system = " ".join(
+        f"Rule {i}: answer politely, cite the source, and keep each reply short." for i in range(28)
+    )
+    conversations = [
+        [{"role": "system", "content": system}, {"role": "user", "content": p}]
+        for p in CHAT_PROMPTS[:4]
+    ]
+    ids = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for c in conversations
+    ]
+    return conversations, ids
+
+
 def assert_idle_accounting(eng: Engine) -> None:
     """At idle every page is free or held by the prefix tree: nothing leaked."""
     assert eng.wait_idle(timeout=60), "engine did not become idle"

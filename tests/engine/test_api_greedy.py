@@ -4,7 +4,13 @@ the cache cold, warm, and under memory pressure (eviction and preemption)."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import CHAT_PROMPTS, assert_idle_accounting, greedy, user
+from engine_helpers import (
+    CHAT_PROMPTS,
+    assert_idle_accounting,
+    greedy,
+    under_long_system_prompt,
+    user,
+)
 
 NEW_TOKENS = 12
 
@@ -88,20 +94,7 @@ def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
             return plan
 
         monkeypatch.setattr(native, "plan_native", recording)
-    system = " ".join(
-        f"Rule {i}: answer politely, cite the source, and keep each reply short." for i in range(28)
-    )
-    conversations = [
-        [{"role": "system", "content": system}, {"role": "user", "content": p}]
-        for p in CHAT_PROMPTS[:4]
-    ]
-    ids = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False,
-        )
-        for c in conversations
-    ]
+    conversations, ids = under_long_system_prompt(tokenizer)
     assert len(ids[0]) > 400
     eng = make_engine(page_size=16, num_pages=160)
     assert eng.attention_kernel == kernel

@@ -7,7 +7,7 @@ import torch
 from engine.model.attention.base import AttentionBackend
 from engine.model.model_config import ModelConfig
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "flashinfer")
 
 
 def create_backend(
@@ -16,10 +16,24 @@ def create_backend(
     device: torch.device,
     exact: bool = False,
     threads: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
-    """The backend called ``name`` for a model of ``config`` on ``device``: with ``exact`` the
-    batch-invariant kernel where it builds (the CPU; it runs on ``threads`` threads), else
-    the fastest one."""
+    """The backend called ``name`` for a model of ``config`` on ``device`` with activations
+    and KV in ``dtype``: with ``exact`` the batch-invariant kernel where it builds (the CPU;
+    it runs on ``threads`` threads), else the fastest one. ``flashinfer`` is FlashInfer's
+    kernels on CUDA and their torch reference elsewhere (for tests: slow)."""
+    if name == "flashinfer":
+        from engine.model.attention.flashinfer_backend import (
+            FlashInferBackend,
+            flashinfer_ops,
+            reference_ops,
+        )
+
+        ops = flashinfer_ops() if device.type == "cuda" else reference_ops()
+        return FlashInferBackend(
+            config.num_heads, config.num_kv_heads, config.head_dim, device, ops, dtype,
+            deterministic=exact,
+        )
     if name == "torch" and exact:
         from engine.model.attention import native
         from engine.model.attention.exact_backend import ExactAttentionBackend

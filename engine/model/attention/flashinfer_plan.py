@@ -1,0 +1,163 @@
+"""FlashInfer's arguments for one forward pass, planned once from the engine's ForwardBatch.
+
+A pass is attended in at most two FlashInfer calls per layer, planned here once per pass:
+
+- **own**: every request over its own pages (``qo_indptr``, ``kv_indptr``, ``kv_indices``,
+  ``kv_last_page_len``, int32), causal with the diagonal at the end of its KV;
+- **shared** (cascade, optional): a run of whole pages that several requests hold at the same
+  positions (a system prompt, a retrieved document: the radix tree hands out the same page
+  ids) is attended once, by the queries of all its members stacked, without a mask: every
+  shared page lies before each member's first new token. The own call then covers only each
+  request's pages after its shared runs, and the parts are merged by their log-sum-exps
+  (``merge_state``), one merge per level of nesting (a system prompt shared by 8 requests,
+  then a document shared by 4 of them, is two levels).
+
+The new tokens' K/V are appended with ``append_paged_kv_cache``, whose arguments are the full
+page tables (after the append) and each token's request and position. Shared runs are found
+with the CPU cascade's trie (``cascade.shared_runs``); everything a layer reads is a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.attention.cascade import shared_runs
+from engine.model.forward_batch import ForwardBatch
+
+# A shared run is attended on its own only when it spares at least this many token reads.
+MIN_SAVED_TOKENS = 256
+
+
+@dataclass
+class PagedTables:
+    """One FlashInfer call's ragged batch: queries and pages per entry (int32)."""
+
+    qo_indptr: torch.Tensor  # [n + 1]
+    kv_indptr: torch.Tensor  # [n + 1]
+    kv_indices: torch.Tensor  # [pages]
+    kv_last_page_len: torch.Tensor  # [n], 1..page_size
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.kv_last_page_len.shape[0])
+
+
+@dataclass
+class MergeLevel:
+    """Shared runs of one nesting depth: their outputs' rows and the query rows they belong to
+    (each query row at most once per level)."""
+
+    shared_rows: torch.Tensor  # int64: rows of the shared call's output
+    query_rows: torch.Tensor  # int64: the same queries' rows in the pass
+
+
+@dataclass
+class SharedPrefixes:
+    """The cascade's shared call: one entry per run, its members' queries stacked."""
+
+    query_rows: torch.Tensor  # int64: rows of the pass's q, in the shared call's order
+    tables: PagedTables  # non-causal, whole pages
+    levels: list[MergeLevel]
+    num_shared_tokens: int  # KV tokens read once here instead of once per member
+
+
+@dataclass
+class FlashInferPlan:
+    """Everything the FlashInfer backend needs for one pass."""
+
+    full: PagedTables  # every request's whole KV: the append's page tables
+    own: PagedTables  # what each request attends on its own (its suffix when shared)
+    append_batch_indices: torch.Tensor  # int32 [T]: each new token's request
+    append_positions: torch.Tensor  # int32 [T]: its position in that request's KV
+    shared: SharedPrefixes | None
+    is_decode: bool  # one query per request in ``own``
+    page_size: int
+
+
+def plan_flashinfer(
+    fb: ForwardBatch, cascade: bool = True, min_saved_tokens: int = MIN_SAVED_TOKENS
+) -> FlashInferPlan:
+    """The plan of pass ``fb``; with ``cascade``, prefixes shared by several requests are
+    attended once where that spares at least ``min_saved_tokens`` reads."""
+    dev = fb.input_ids.device
+    ps = fb.page_size
+    full = PagedTables(fb.qo_indptr, fb.kv_indptr, fb.kv_indices, fb.kv_last_page_len)
+    qo_lens = torch.tensor(fb.qo_lens, dtype=torch.int64, device=dev)
+    batch_indices = torch.repeat_interleave(
+        torch.arange(fb.batch_size, dtype=torch.int32, device=dev), qo_lens
+    )
+    positions = fb.positions.to(torch.int32)
+    shared = None
+    own = full
+    if cascade and fb.batch_size > 1:
+        found = _shared_prefixes(fb, min_saved_tokens)
+        if found is not None:
+            shared, own = found
+    return FlashInferPlan(full, own, batch_indices, positions, shared, fb.is_decode, ps)
+
+
+def _shared_prefixes(
+    fb: ForwardBatch, min_saved_tokens: int
+) -> tuple[SharedPrefixes, PagedTables] | None:
+    dev = fb.input_ids.device
+    ps = fb.page_size
+    indptr = fb.kv_indptr.tolist()
+    pages = fb.kv_indices.tolist()
+    tables = [pages[indptr[b] : indptr[b + 1]] for b in range(fb.batch_size)]
+    # Only whole pages before a request's first new token can be shared: its new tokens are
+    # written into pages of its own.
+    before_new = [(kv - n) // ps for n, kv in zip(fb.qo_lens, fb.kv_lens)]
+    runs, tail_start = shared_runs(
+        [t[:f] for t, f in zip(tables, before_new)], ps, min_saved_tokens
+    )
+    if not runs:
+        return None
+    qo_indptr = fb.qo_indptr.tolist()
+    depth_of_run: list[int] = []
+    seen_depth = [0] * fb.batch_size  # runs each request is in so far, in trie order
+    for members, _a, _b in sorted(runs, key=lambda run: run[1]):
+        depth_of_run.append(seen_depth[members[0]])
+        for r in members:
+            seen_depth[r] += 1
+    query_rows: list[int] = []
+    s_qo = [0]
+    s_kv = [0]
+    s_pages: list[int] = []
+    by_level: dict[int, tuple[list[int], list[int]]] = {}
+    saved = 0
+    for (members, a, b), depth in zip(sorted(runs, key=lambda run: run[1]), depth_of_run):
+        shared_rows, rows_here = by_level.setdefault(depth, ([], []))
+        for r in members:
+            rows = range(qo_indptr[r], qo_indptr[r + 1])
+            shared_rows.extend(range(len(query_rows), len(query_rows) + len(rows)))
+            rows_here.extend(rows)
+            query_rows.extend(rows)
+        s_qo.append(len(query_rows))
+        s_pages.extend(tables[members[0]][a:b])
+        s_kv.append(len(s_pages))
+        saved += (len(members) - 1) * (b - a) * ps
+    own_kv = [0]
+    own_pages: list[int] = []
+    for r, t in enumerate(tables):
+        own_pages.extend(t[tail_start[r] :])
+        own_kv.append(len(own_pages))
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=dev)
+
+    def i64(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=dev)
+
+    levels = [MergeLevel(i64(s), i64(q)) for _, (s, q) in sorted(by_level.items())]
+    shared = SharedPrefixes(
+        i64(query_rows),
+        PagedTables(i32(s_qo), i32(s_kv), i32(s_pages), i32([ps] * (len(s_kv) - 1))),
+        levels,
+        saved,
+    )
+    # A request's own part keeps its last page (its new tokens are there), so its last page's
+    # length is unchanged.
+    own = PagedTables(fb.qo_indptr, i32(own_kv), i32(own_pages), fb.kv_last_page_len)
+    return shared, own

@@ -1,0 +1,228 @@
+"""FlashInfer's paged-attention calls as plain torch, with FlashInfer's documented semantics.
+
+The FlashInfer backend (``flashinfer_backend``) drives FlashInfer through four things: the
+batch prefill and batch decode wrappers (``plan`` once per pass, ``run`` per layer),
+``append_paged_kv_cache`` and ``merge_state``. This module implements the same calls, same
+arguments, on any device, one request at a time and in float32, so that the backend's planning
+and merging run in CI on the CPU and are tested against the engine's own attention. It is a
+reference, not a kernel: slow, and never picked for speed.
+
+Semantics followed (FlashInfer 0.6, ``docs.flashinfer.ai``): NHD pages ``[num_pages, page_size,
+num_kv_heads, head_dim]``; request ``b`` owns queries ``qo_indptr[b]:qo_indptr[b+1]`` and pages
+``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, its KV length is ``(pages - 1) * page_size +
+kv_last_page_len[b]`` (0 without pages); with ``causal`` the diagonal is aligned to the end of
+the KV (query ``i`` of ``n`` sees keys ``0 .. kv_len - n + i``); the log-sum-exp is base 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def _kv_len(num_pages: int, last_page_len: int, page_size: int) -> int:
+    return 0 if num_pages == 0 else (num_pages - 1) * page_size + last_page_len
+
+
+def _attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[n, Hq, D]``, k/v ``[L, Hkv, D]`` -> out ``[n, Hq, D]`` float32, lse ``[n, Hq]`` (base 2)."""
+    n, hq, d = q.shape
+    kv_len, hkv = k.shape[0], k.shape[1]
+    if kv_len == 0:
+        return q.new_zeros((n, hq, d), dtype=torch.float32), torch.full(
+            (n, hq), float("-inf"), dtype=torch.float32, device=q.device
+        )
+    group = hq // hkv
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * sm_scale
+    if causal:
+        last_key = kv_len - n + torch.arange(n, device=q.device)  # per query
+        hidden = torch.arange(kv_len, device=q.device)[None, :] > last_key[:, None]
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, n], natural log
+    out = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), vf)
+    return out, (lse * LOG2E).transpose(0, 1)
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """A request's tokens ``[kv_len, H, D]`` from its pages of an NHD cache."""
+    return cache[pages.long()].flatten(0, 1)[:kv_len]
+
+
+class _PagedAttention:
+    """What both wrappers share: the planned page tables, and one request at a time."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        if kv_layout != "NHD":
+            raise ValueError(f"kv_layout: the reference implements NHD only, got {kv_layout!r}")
+        self._planned: dict[str, object] | None = None
+
+    def _plan(
+        self,
+        qo_indptr: torch.Tensor | None,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        causal: bool,
+        sm_scale: float | None,
+    ) -> None:
+        for name, t in (
+            ("kv_indptr", kv_indptr),
+            ("kv_indices", kv_indices),
+            ("kv_last_page_len", kv_last_page_len),
+        ):
+            if t.dtype != torch.int32:
+                raise ValueError(f"{name}: must be int32 (FlashInfer's index type), got {t.dtype}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        self._planned = {
+            "qo_indptr": None if qo_indptr is None else qo_indptr.tolist(),
+            "kv_indptr": kv_indptr.tolist(),
+            "kv_indices": kv_indices,
+            "last": kv_last_page_len.tolist(),
+            "page_size": page_size,
+            "causal": causal,
+            "sm_scale": head_dim**-0.5 if sm_scale is None else sm_scale,
+            "heads": (num_qo_heads, num_kv_heads, head_dim),
+        }
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``q`` over the planned pages; with ``return_lse`` also the base-2
+        log-sum-exp ``[tokens, heads]`` (float32)."""
+        p = self._planned
+        if p is None:
+            raise RuntimeError("run called before plan")
+        k_cache, v_cache = paged_kv_cache
+        kv_indptr: list[int] = p["kv_indptr"]  # type: ignore[assignment]
+        qo_indptr: list[int] = p["qo_indptr"] or list(range(len(kv_indptr)))  # type: ignore[assignment]
+        ps: int = p["page_size"]  # type: ignore[assignment]
+        indices: torch.Tensor = p["kv_indices"]  # type: ignore[assignment]
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for b in range(len(kv_indptr) - 1):
+            qa, qb = qo_indptr[b], qo_indptr[b + 1]
+            pa, pb = kv_indptr[b], kv_indptr[b + 1]
+            kv_len = _kv_len(pb - pa, p["last"][b], ps)  # type: ignore[index]
+            pages = indices[pa:pb]
+            o, s = _attend_one(
+                q[qa:qb],
+                _gather_pages(k_cache, pages, kv_len),
+                _gather_pages(v_cache, pages, kv_len),
+                bool(p["causal"]),
+                float(p["sm_scale"]),  # type: ignore[arg-type]
+            )
+            out[qa:qb] = o
+            lse[qa:qb] = s
+        result = out.to(q.dtype)
+        return (result, lse) if return_lse else result
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
+    """``flashinfer.BatchPrefillWithPagedKVCacheWrapper``: queries of any length per request."""
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        causal: bool = False,
+        sm_scale: float | None = None,
+        q_data_type: torch.dtype | None = None,
+        kv_data_type: torch.dtype | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+    ) -> None:
+        if qo_indptr.dtype != torch.int32:
+            raise ValueError(f"qo_indptr: must be int32, got {qo_indptr.dtype}")
+        self._plan(
+            qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+            num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, sm_scale,
+        )
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
+    """``flashinfer.BatchDecodeWithPagedKVCacheWrapper``: one query per request, every key."""
+
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        sm_scale: float | None = None,
+        q_data_type: torch.dtype | None = None,
+        kv_data_type: torch.dtype | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+    ) -> None:
+        self._plan(
+            None, indptr, indices, last_page_len,
+            num_qo_heads, num_kv_heads, head_dim, page_size, False, sm_scale,
+        )
+
+
+def append_paged_kv_cache(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    kv_layout: str = "NHD",
+) -> None:
+    """``flashinfer.append_paged_kv_cache``: token ``i`` of request ``batch_indices[i]`` goes to
+    position ``positions[i]`` of that request's pages (the page tables after the append)."""
+    if kv_layout != "NHD":
+        raise ValueError(f"kv_layout: the reference implements NHD only, got {kv_layout!r}")
+    k_cache, v_cache = paged_kv_cache
+    ps = k_cache.shape[1]
+    b = batch_indices.long()
+    pos = positions.long()
+    page = kv_indices.long()[kv_indptr.long()[b] + pos // ps]
+    slot = page * ps + pos % ps
+    k_cache.view(-1, *k_cache.shape[2:])[slot] = append_key.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot] = append_value.to(v_cache.dtype)
+
+
+def merge_state(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flashinfer.merge_state``: attention over keys A and over keys B (outputs ``[n, H, D]``,
+    base-2 log-sum-exps ``[n, H]``) -> attention over A and B together."""
+    s_max = torch.maximum(s_a, s_b)
+    w_a = torch.exp2(s_a - s_max)
+    w_b = torch.exp2(s_b - s_max)
+    total = w_a + w_b
+    v = (v_a.float() * w_a[..., None] + v_b.float() * w_b[..., None]) / total[..., None]
+    return v.to(v_a.dtype), s_max + torch.log2(total)

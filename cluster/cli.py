@@ -10,9 +10,10 @@ end); with ``--ray-address auto`` the application joins a running (multi-node) c
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -63,6 +64,24 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
     )
 
 
+LOOPBACK = "127.0.0.1"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_ENV = "RAY_AUTH_MODE"
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM: unwind to the cleanup that stops Serve and Ray."""
+
+
+def _stop_requested(signum: int, frame: object) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def _catch_stops() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_requested)
+
+
 def serve_replicas(args: argparse.Namespace) -> int:
     """Start Ray (or join it), deploy the application, serve until SIGINT/SIGTERM."""
     threads = args.threads or 1
@@ -72,6 +91,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
         ("--balance-threshold", args.balance_threshold, 0),
         ("--max-ongoing-requests", args.max_ongoing_requests, 1),
         ("--max-queued", args.max_queued or 1, 1),
+        ("--max-body-bytes", args.max_body_bytes or 1, 1),
         ("--port", args.port, 0),
     ):
         if value < low:
@@ -84,6 +104,18 @@ def serve_replicas(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.ray_address is None:
+        # A local cluster listens on loopback only: Ray has no authentication of its own
+        # before 2.5x's tokens, and anyone who reaches its ports (GCS, raylet, workers,
+        # agents) runs code as this user. Ray keeps a single-node cluster on 127.0.0.1 where
+        # clusters are off (its macOS/Windows default, this switch); otherwise it swaps
+        # 127.0.0.1 for the machine's address and binds its gRPC servers to every interface.
+        # Read when Ray is imported, inherited by every process it starts.
+        os.environ[LOCAL_ONLY_ENV] = "0"
+        # One server stays on every interface: Serve's inter-deployment gRPC server of the
+        # front end's replica (bound to [::] in Ray Serve's code). Ray's token authentication
+        # guards it; it is asked for explicitly rather than left to Ray's default.
+        os.environ.setdefault(AUTH_ENV, "token")
     import ray
     from ray import serve
 
@@ -110,14 +142,23 @@ def serve_replicas(args: argparse.Namespace) -> int:
             "extra_model_names": names[1:],
             "api_key": args.api_key,
             "max_queued": args.max_queued,
+            **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
         },
     )
     started = time.perf_counter()
-    if args.ray_address is None:
-        ray.init(num_cpus=args.replicas * threads + 1, include_dashboard=False)
-    else:
-        ray.init(address=args.ray_address)
+    # A stop may come at any moment, start-up included (Ray's processes are already running
+    # by the time /health first answers): from here on it unwinds through the cleanup below.
+    _catch_stops()
     try:
+        if args.ray_address is None:
+            ray.init(  # on loopback: see LOCAL_ONLY_ENV above
+                num_cpus=args.replicas * threads + 1,
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+            )
+        else:
+            ray.init(address=args.ray_address)
+        _catch_stops()  # in case Ray installed handlers of its own
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(config), name="radixkv", route_prefix="/", blocking=False)
         print(
@@ -127,14 +168,19 @@ def serve_replicas(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        while True:
+            time.sleep(3600)
+    except StopRequested:
+        pass
     finally:
-        serve.shutdown()
-        stop_hub(config.hub_name)
-        ray.shutdown()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut cleanup
+            signal.signal(sig, signal.SIG_IGN)
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            with contextlib.suppress(Exception):
+                stop_hub(config.hub_name)
+            ray.shutdown()
     print("radixkv: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -12,7 +12,9 @@ Plain Python: ``cluster.serve`` runs it as a Ray actor; tests call it directly.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -29,14 +31,27 @@ class HubPull(msgspec.Struct, frozen=True):
     loads: dict[str, int]
 
 
+# A replica reports its stats every 0.5 s, busy or idle; one silent this long is gone (Serve
+# replaced a killed replica without its ``forget``): its stats and hashes are dropped.
+SILENT_S = 10.0
+
+
 class EventHub:
     """Keeps the last ``keep`` batches of each replica and a mirror of all their hashes."""
 
-    def __init__(self, keep: int = 256) -> None:
+    def __init__(
+        self,
+        keep: int = 256,
+        silent_s: float = SILENT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._keep = keep
         self._index = KVIndex()
         self._recent: dict[str, deque[KVEventBatch]] = {}
         self._stats: dict[str, Any] = {}
+        self._heard: dict[str, float] = {}  # replica -> when its stats last came
+        self._silent_s = silent_s
+        self._clock = clock
 
     def publish(self, batch: KVEventBatch) -> bool:
         """Take a replica's next batch; False: the hub lost track, send ``publish_snapshot``."""
@@ -56,12 +71,14 @@ class EventHub:
     def publish_stats(self, replica: str, stats: Any) -> None:
         """A replica's latest engine stats (any picklable record), for the front end."""
         self._stats[replica] = stats
+        self._heard[replica] = self._clock()
 
     def forget(self, replica: str) -> None:
         """The replica is gone: its hashes leave the mirror and, at the next pull, the routers."""
         self._index.remove_replica(replica)
         self._recent.pop(replica, None)
         self._stats.pop(replica, None)
+        self._heard.pop(replica, None)
 
     def pull(self, cursors: dict[str, tuple[int, int]]) -> HubPull:
         """Everything past each ``(epoch, seq)`` cursor, by replica."""
@@ -89,6 +106,12 @@ class EventHub:
         return HubPull(updates, loads)
 
     def stats(self) -> dict[str, Any]:
+        """The latest stats of every replica heard from within ``silent_s``; the silent
+        ones are forgotten (a replica killed without saying so)."""
+        now = self._clock()
+        for replica, heard in list(self._heard.items()):
+            if now - heard > self._silent_s:
+                self.forget(replica)
         return dict(self._stats)
 
     def num_hashes(self) -> int:

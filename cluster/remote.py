@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from engine.model.loader import ModelFront
+from engine.serving.errors import EngineDeadError
 from engine.serving.handle import Delta, Done, Failed, RequestHandle
 from engine.serving.outputs import RequestOutput
 from engine.serving.prompts import encode_one, prepare_prompts
@@ -38,6 +40,9 @@ class EngineCall(msgspec.Struct, frozen=True):
 
 
 Stream = Callable[[EngineCall], Any]  # an async iterator of Delta / RequestOutput
+
+
+log = logging.getLogger("radixkv.cluster")
 
 
 class RemoteEngine:
@@ -118,7 +123,7 @@ class RemoteEngine:
             handle.put(Failed(RuntimeError("aborted")))
             raise
         except BaseException as exc:  # the replica's error, re-raised by the app
-            handle.put(Failed(_unwrap(exc)))
+            handle.put(Failed(_client_error(exc)))
 
     def _abort(self, request_id: int) -> None:
         """Cancelling the stream cancels the replica's generator, which aborts its request."""
@@ -138,6 +143,17 @@ class RemoteEngine:
         self._closed = True
         for task in list(self._running.values()):
             task.cancel()
+
+
+def _client_error(exc: BaseException) -> BaseException:
+    """What the client is told: the request's own fault as the replica raised it (a
+    ValueError: 400), anything else (a replica that died, Ray's errors, which name pids,
+    node addresses and actor ids) as a plain retryable failure, with the details logged."""
+    cause = _unwrap(exc)
+    if isinstance(cause, ValueError):
+        return cause
+    log.warning("a replica failed a request: %r", exc)
+    return EngineDeadError("the replica serving this request failed; retry")
 
 
 def _unwrap(exc: BaseException) -> BaseException:

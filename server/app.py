@@ -15,7 +15,9 @@ ASGI ``receive`` channel, streaming or not), which frees their pages.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -44,6 +46,7 @@ from server.errors import (
     invalid,
     not_found,
     overloaded,
+    too_large,
     unauthorized,
 )
 from server.metrics import CONTENT_TYPE, ServerMetrics
@@ -52,6 +55,9 @@ from server.responses import chat_logprobs, completion_logprobs, sse, usage_of
 from server.tokens import TokenTexts
 
 log = logging.getLogger("radixkv.server")
+
+MAX_BODY_BYTES = 4 << 20
+MAX_CHOICES = 256
 
 # OpenAI's legacy completions default; chat completions default to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -67,6 +73,11 @@ class ServerConfig:
     # limit, as vLLM).
     max_queued: int | None = None
     extra_model_names: list[str] = field(default_factory=list)
+    # Bodies over this many bytes get 413 before they are parsed (OpenAI's own limit is
+    # larger, but no prompt that fits this model's context comes near it).
+    max_body_bytes: int = MAX_BODY_BYTES
+    # Engine requests (prompts x n) one HTTP request may add: 400 beyond it.
+    max_choices: int = MAX_CHOICES
 
 
 # envelope(usage=NO_USAGE) leaves the key out (chunks of a stream without include_usage).
@@ -142,6 +153,49 @@ class OpenAIServer:
         self.texts = TokenTexts(engine.tokenizer)
         self.created = int(time.time())
         self._background: set[asyncio.Future[None]] = set()
+        # A text of more characters than this cannot fit the context whatever its tokens:
+        # no token spells more than the vocabulary's longest entry.
+        longest = max(map(len, engine.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = engine.max_context * max(longest, 1)
+        # One worker: tokenizing and chat templating are slow for long texts and must not
+        # hold the event loop (every stream and /health), and one tokenizer object is not
+        # safe to share between threads.
+        self._tokenize = concurrent.futures.ThreadPoolExecutor(1, "radixkv-tokenize")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, or 413 past ``max_body_bytes`` (by its Content-Length when it has one,
+        else while it streams in)."""
+        limit = self.config.max_body_bytes
+        refused = too_large(
+            f"the request body is over {limit} bytes (the server's --max-body-bytes)"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise refused
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise refused
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def encode(self, prompt: Any, field: str, texts: list[str]) -> list[int]:
+        """``engine.encode`` off the event loop, after a length check that needs no
+        tokenizer: ``texts`` (the prompt's text parts) longer than any tokenization of the
+        context are refused at once."""
+        chars = sum(map(len, texts))
+        if chars > self.max_prompt_chars:
+            raise invalid(
+                f"{field}: this model's maximum context length is {self.engine.max_context} "
+                f"tokens, and {chars} characters of text cannot fit it; shorten it",
+                param=field,
+                code="context_length_exceeded",
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize, functools.partial(self.engine.encode, prompt, field=field)
+        )
 
     # -------------------------------------------------------------------------- checks
 
@@ -151,7 +205,9 @@ class OpenAIServer:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+        # bytes: compare_digest refuses str with non-ASCII characters (a header can hold them)
+        sent = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key.encode("utf-8")):
             raise unauthorized()
 
     def check_model(self, model: str | None) -> None:
@@ -162,12 +218,29 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    def check_queue(self) -> None:
+    def check_queue(self, adding: int) -> None:
+        """Room for ``adding`` engine requests (prompts x n): a 400 if one HTTP request asks
+        for more than any may, a 503 + Retry-After while the queue has no room for them."""
+        if adding > self.config.max_choices:
+            raise invalid(
+                f"n: {adding} completions (prompts x n) in one request; at most "
+                f"{self.config.max_choices}",
+                param="n",
+            )
         limit = self.config.max_queued
-        if limit is not None and self.engine.num_waiting() >= limit:
+        if limit is None:
+            return
+        if adding > limit:
+            raise invalid(
+                f"n: {adding} completions (prompts x n) in one request can never wait in "
+                f"this server's queue of {limit} (--max-queued); send fewer at a time",
+                param="n",
+            )
+        if self.engine.num_waiting() + adding > limit:
             self.metrics.reject("queue_full")
             raise overloaded(
-                f"the server is busy: {limit} requests already wait (--max-queued); retry later"
+                f"the server is busy: {self.engine.num_waiting()} requests already wait and "
+                f"the queue holds {limit} (--max-queued); retry later"
             )
 
     def max_tokens(self, asked: int | None, field_name: str, prompt_len: int, where: str) -> int:
@@ -203,7 +276,7 @@ class OpenAIServer:
         stream: bool,
     ) -> list[Choice]:
         """Queues ``len(params)`` choices per prompt; all or nothing."""
-        self.check_queue()
+        self.check_queue(len(prompts) * len(params))
         choices: list[Choice] = []
         try:
             for p, ids in enumerate(prompts):
@@ -313,9 +386,10 @@ class OpenAIServer:
     # ------------------------------------------------------------------------ endpoints
 
     async def chat_completions(self, request: Request) -> Response:
-        req = self.parse(request, await request.body(), ChatRequest)
+        req = self.parse(request, await self.read_body(request), ChatRequest)
         protocol.check_chat_only(req)
-        ids = self.engine.encode(protocol.conversation(req.messages), field="messages")
+        messages = protocol.conversation(req.messages)
+        ids = await self.encode(messages, "messages", [m["content"] for m in messages])
         if req.max_completion_tokens is not None:
             name, asked = "max_completion_tokens", req.max_completion_tokens
         else:
@@ -398,11 +472,14 @@ class OpenAIServer:
         yield sse("[DONE]")
 
     async def completions(self, request: Request) -> Response:
-        req = self.parse(request, await request.body(), CompletionRequest)
+        req = self.parse(request, await self.read_body(request), CompletionRequest)
         protocol.check_completion_only(req)
         prompts = protocol.completion_prompts(req.prompt)
         fields = [f"prompt[{i}]" if len(prompts) > 1 else "prompt" for i in range(len(prompts))]
-        token_ids = [self.engine.encode(p, field=f) for p, f in zip(prompts, fields)]
+        token_ids = [
+            await self.encode(p, f, [p] if isinstance(p, str) else [])
+            for p, f in zip(prompts, fields)
+        ]
         asked = protocol.requested_max_tokens("max_tokens", req.max_tokens)
         if asked is None:
             asked = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -524,23 +601,24 @@ class OpenAIServer:
 
     async def tokenize(self, request: Request) -> Response:
         self.check_auth(request)
-        req = protocol.decode_body(await request.body(), protocol.TokenizeRequest)
+        req = protocol.decode_body(await self.read_body(request), protocol.TokenizeRequest)
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise invalid("prompt: give exactly one of 'prompt' and 'messages'", param="prompt")
         if req.messages is not None:
-            ids = self.engine.encode(protocol.conversation(req.messages), field="messages")
+            messages = protocol.conversation(req.messages)
+            ids = await self.encode(messages, "messages", [m["content"] for m in messages])
         else:
             if not isinstance(req.prompt, str):
                 raise invalid(f"prompt: expected a string, got {type(req.prompt).__name__}")
-            ids = self.engine.encode(req.prompt, field="prompt")
+            ids = await self.encode(req.prompt, "prompt", [req.prompt])
         return JSONResponse(
             {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_context}
         )
 
     async def detokenize(self, request: Request) -> Response:
         self.check_auth(request)
-        req = protocol.decode_body(await request.body(), protocol.DetokenizeRequest)
+        req = protocol.decode_body(await self.read_body(request), protocol.DetokenizeRequest)
         self.check_model(req.model)
         ids = self.engine.encode(req.tokens, field="tokens") if req.tokens else []
         return JSONResponse({"prompt": self.engine.tokenizer.decode(ids)})
@@ -563,7 +641,9 @@ def _as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         return invalid(str(exc))
     log.error("request failed", exc_info=exc)
-    return internal(f"the request failed: {type(exc).__name__}: {exc}")
+    # The details stay in the log: an exception's text can carry internals (paths, Ray's
+    # actor ids and node addresses) that a client must not see.
+    return internal("the request failed inside the server (its log has the details); retry")
 
 
 def _endpoint(

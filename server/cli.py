@@ -1,8 +1,9 @@
 """``radixkv serve``: the OpenAI-compatible server under uvicorn (and the other commands).
 
 Shutdown on SIGTERM or SIGINT: uvicorn stops accepting connections and lets the requests in
-flight finish for ``--grace-period`` seconds; what is still running then is cancelled, which
-aborts its engine requests (pages freed); the engine is closed and the process exits 0.
+flight finish for ``--grace-period`` seconds; what is still running then is aborted through
+the engine (``server.shutdown``: streams end with finish_reason "abort" and [DONE], pages are
+freed); the engine is closed and the process exits 0.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         help="answer 503 + Retry-After while N requests already wait (default: no limit)",
     )
     serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="answer 413 to request bodies over N bytes (default 4 MiB)",
+    )
+    serve.add_argument(
         "--grace-period",
         type=float,
         default=30.0,
@@ -87,9 +95,11 @@ def serve(args: argparse.Namespace) -> int:
 
     from engine import Engine
     from server.app import ServerConfig, create_app
+    from server.shutdown import ENDING_S, DrainingServer
 
     for flag, value, low in (
         ("--max-queued", args.max_queued, 1),
+        ("--max-body-bytes", args.max_body_bytes, 1),
         ("--port", args.port, 0),
     ):
         if value is not None and value < low:
@@ -118,6 +128,7 @@ def serve(args: argparse.Namespace) -> int:
         extra_model_names=names[1:],
         api_key=args.api_key,
         max_queued=args.max_queued,
+        **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
     app = create_app(engine, config)
     print(
@@ -127,15 +138,17 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.grace_period,
+            timeout_graceful_shutdown=args.grace_period + ENDING_S,
             access_log=args.log_level == "debug",
-        )
+        ),
+        engine,
+        args.grace_period,
     )
     # uvicorn re-raises the signal that stopped it once it is done, under the handlers that
     # were there before: ours, which let the process end normally (exit 0) after the drain.

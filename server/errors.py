@@ -55,6 +55,10 @@ def not_found(message: str, code: str = "not_found", param: str | None = None) -
     return APIError(404, message, type="not_found_error", param=param, code=code)
 
 
+def too_large(message: str) -> APIError:
+    return APIError(413, message, code="request_too_large")
+
+
 def unauthorized() -> APIError:
     return APIError(
         401,

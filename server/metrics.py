@@ -125,6 +125,8 @@ class EngineCollector(Collector):
             ("kv_tier_pages_dropped", "KV pages that fell off the lowest tier.", s.kv_pages_dropped),
             ("kv_disk_corrupt_files", "Damaged KV page files found (read as misses).",
              s.kv_disk_corrupt),
+            ("kv_disk_write_errors", "KV page files the disk tier failed to write (full disk).",
+             s.kv_disk_write_errors),
         ):
             family = CounterMetricFamily(PREFIX + name, doc, labels=names)
             family.add_metric(values, value)

@@ -112,6 +112,10 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         return _raise(invalid(f"{path or 'body'}: {text}", param=path))
     except msgspec.DecodeError as exc:
         return _raise(invalid(f"the request body is not valid JSON: {exc}"))
+    except UnicodeDecodeError as exc:  # a str field whose bytes are not UTF-8
+        return _raise(invalid(f"the request body is not valid UTF-8 (byte {exc.start})"))
+    except RecursionError:  # msgspec recurses per nesting level: ~1,000 levels end here
+        return _raise(invalid("the request body is nested too deeply to be a valid request"))
 
 
 def _raise(error: APIError) -> Any:
@@ -146,6 +150,8 @@ def _content_text(message: ChatMessage, role: str, where: str) -> str:
         raise invalid(f"{where}.content: missing; a {role} message needs content")
     if isinstance(content, str):
         return content
+    if not content:
+        raise invalid(f"{where}.content: empty list; expected at least one text part")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type")
@@ -254,8 +260,8 @@ def sampling_params(
 ) -> SamplingParams:
     """The engine's params for choice ``choice`` of ``req`` (a seed advances per choice, so
     n seeded choices differ from each other and repeat across identical requests)."""
-    if req.seed is not None and req.seed < 0:  # before seed + choice wraps it positive
-        raise invalid(f"seed: must be an integer >= 0, got {req.seed!r}")
+    if req.seed is not None and not 0 <= req.seed < 1 << 63:  # the engine's seed range
+        raise invalid(f"seed: must be an integer in [0, 2**63), got {req.seed!r}")
     seed = None if req.seed is None else (req.seed + choice) % (1 << 63)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = req.top_k if req.top_k is not None else 0

@@ -209,7 +209,16 @@ def main(argv: list[str] | None = None) -> None:
 
         cluster_main(argv)
         return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="A cluster of replicas behind a router: --replicas N [N ...] [--router NAME ...] "
+        "(workloads.simulate_cluster; 'python -m workloads.simulate --replicas 2 --help' lists "
+        "its options).",
+    )
+    parser.add_argument(
+        "--replicas", nargs="+", type=int, metavar="N",
+        help="simulate N replicas behind a router instead (see below)",
+    )
     parser.add_argument("--traces", nargs="*", default=list(TRACES), choices=list(TRACES))
     parser.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
     parser.add_argument(

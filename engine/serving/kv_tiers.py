@@ -65,7 +65,12 @@ def build_tiers(
     disk = None
     if kv_disk_dir is not None:
         directory = Path(kv_disk_dir).expanduser()
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # read-only, a path under a file, no permission
+            raise ValueError(
+                f"kv_disk_dir: cannot use {str(kv_disk_dir)!r}: {exc.strerror or exc}"
+            ) from exc
         if kv_disk_bytes is None:
             free = shutil.disk_usage(directory).free
             kv_disk_bytes = min(DISK_CAP_BYTES, int(free * DISK_FREE_FRACTION))

@@ -66,6 +66,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_pages_loaded_disk: int = 0
     kv_pages_dropped: int = 0
     kv_disk_corrupt: int = 0
+    kv_disk_write_errors: int = 0
     kv_loads_skipped_slow: int = 0
     kv_load_s_per_page_host: float | None = None
     kv_load_s_per_page_disk: float | None = None
@@ -98,6 +99,7 @@ def snapshot(scheduler: Scheduler, failed: int) -> EngineStats:
         "kv_pages_loaded_disk": tiers.loaded_disk,
         "kv_pages_dropped": tiers.dropped,
         "kv_disk_corrupt": tiers.corrupt,
+        "kv_disk_write_errors": tiers.disk_write_errors,
         "kv_loads_skipped_slow": tiers.skipped_slow,
         "kv_load_s_per_page_host": tiers.load_s_per_page_host,
         "kv_load_s_per_page_disk": tiers.load_s_per_page_disk,

@@ -11,14 +11,26 @@ another model's pages, and a restarted engine finds its own (``scan`` at open).
 Writes (and deletions) run on one background thread, so eviction never waits for a disk.
 A record stays readable from memory until its file is in place. The index (key -> size, least
 recently used first) is owned by the caller's thread; the lock guards what the writer shares.
+A write that fails (a full disk) leaves no file behind, is counted in ``write_errors`` and
+logged, and its key leaves the index at the caller's next call: the store never claims a page
+it does not hold.
+
+Files hold every tenant's token ids next to their KV: the store's directories are 0700 and
+its files 0600, and one engine at a time owns a store (a lock file; a second engine on the
+same directory is refused rather than counting its own budget and deleting the other's
+half-written files).
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import queue
+import shutil
 import struct
 import threading
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -30,6 +42,8 @@ MAGIC = b"RKVPAGE1"
 _HEADER = struct.Struct("<8sQQI")  # magic, key, data bytes, token bytes
 _CHECKSUM = struct.Struct("<Q")
 SUFFIX = ".kv"
+LOCK_FILE = ".lock"
+log = logging.getLogger("radixkv.kv_disk")
 
 
 def file_size(record: PageRecord) -> int:
@@ -74,7 +88,7 @@ class DiskStore:
         if not store_key or not all(c.isalnum() or c in "-_." for c in store_key):
             raise ValueError(f"store_key: must be a non-empty file name, got {store_key!r}")
         self._root = Path(directory) / store_key
-        self._root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _open_locked(Path(directory), self._root)
         self._budget = budget_bytes
         self._index: OrderedDict[int, int] = OrderedDict()  # key -> file size, LRU first
         self._used = 0
@@ -84,7 +98,15 @@ class DiskStore:
         self.corrupt = 0  # files found damaged, truncated or foreign (and deleted)
         self.evicted = 0  # records deleted to stay within the budget
         self.write_errors = 0  # files the writer could not write (disk full, ...)
+        self._failed: list[tuple[int, int]] = []  # (key, size) whose write failed: unindex
         self._scan()
+        free = shutil.disk_usage(self._root).free + self._used
+        if budget_bytes > free:
+            warnings.warn(
+                f"kv_disk_bytes: {budget_bytes} bytes asked for, but only {free} are free on "
+                f"{self._root}: writes past that will fail (counted as write errors)",
+                stacklevel=3,
+            )
         self._writer = threading.Thread(
             target=self._write_loop, name="radixkv-kv-disk", daemon=True
         )
@@ -102,15 +124,19 @@ class DiskStore:
 
     @property
     def used_bytes(self) -> int:
+        self._unindex_failed()
         return self._used
 
     def __len__(self) -> int:
+        self._unindex_failed()
         return len(self._index)
 
     def __contains__(self, key: int) -> bool:
+        self._unindex_failed()
         return key in self._index
 
     def keys(self) -> list[int]:
+        self._unindex_failed()
         return list(self._index)
 
     def path(self, key: int) -> Path:
@@ -125,6 +151,7 @@ class DiskStore:
     def put(self, record: PageRecord) -> bool:
         """Keep ``record`` (written in the background); False when it cannot fit at all."""
         key = record.key
+        self._unindex_failed()
         if key in self._index:
             self._index.move_to_end(key)
             return True
@@ -144,6 +171,7 @@ class DiskStore:
     def get(self, key: int, tokens: bytes) -> PageRecord | None:
         """The record of ``key`` holding ``tokens``; None when absent or unreadable (a bad
         file is deleted and counted in ``corrupt``)."""
+        self._unindex_failed()
         if key not in self._index:
             return None
         with self._lock:
@@ -176,8 +204,12 @@ class DiskStore:
         if self._writer.is_alive():
             self._ops.put(None)
             self._writer.join()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the store's lock
+            self._lock_fd = None
 
     def check(self) -> None:
+        self._unindex_failed()
         used = sum(self._index.values())
         assert used == self._used, f"disk: {self._used} bytes counted, {used} indexed"
         assert self._used <= self._budget, f"disk: {self._used} bytes over {self._budget}"
@@ -186,6 +218,17 @@ class DiskStore:
         assert not stray, f"disk: {len(stray)} pending writes of keys no longer indexed"
 
     # ------------------------------------------------------------------ internals
+
+    def _unindex_failed(self) -> None:
+        """Forget the keys whose files the writer could not write (caller's thread)."""
+        if not self._failed:
+            return
+        with self._lock:
+            failed, self._failed = self._failed, []
+        for key, size in failed:
+            if self._index.get(key) == size:
+                del self._index[key]
+                self._used -= size
 
     def _drop(self, key: int) -> None:
         self._used -= self._index.pop(key)
@@ -237,33 +280,69 @@ class DiskStore:
                     continue  # evicted (or replaced) before it was written
                 try:
                     self._write_file(key, record)
-                except OSError:
+                    failed = False
+                except OSError as exc:
+                    failed = True
                     self.write_errors += 1
+                    if self.write_errors == 1 or self.write_errors % 100 == 0:
+                        log.warning(
+                            "kv disk tier: %d page writes failed so far (%s); those pages "
+                            "are recomputed when needed", self.write_errors, exc,
+                        )
                 with self._lock:
                     if self._pending.get(key) is record:
                         del self._pending[key]
+                        if failed:
+                            self._failed.append((key, file_size(record)))
             finally:
                 self._ops.task_done()
 
     def _write_file(self, key: int, record: PageRecord | None) -> None:
         assert record is not None
         path = self.path(key)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            view = memoryview(encode_record(record))
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                view = memoryview(encode_record(record))
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            _unlink(tmp)  # a failed write leaves nothing behind
+            raise
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _open_locked(directory: Path, root: Path) -> int:
+    """Create ``root`` (0700) and take its lock file; a ValueError naming ``kv_disk_dir``
+    when the directory cannot be used (read-only, a path under a file) or another engine
+    holds the store."""
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        root.chmod(0o700)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ValueError(
+            f"kv_disk_dir: cannot use {str(directory)!r}: {exc.strerror or exc}"
+        ) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise ValueError(
+            f"kv_disk_dir: {str(directory)!r} is in use by another engine (one engine per "
+            "directory: its budget and half-written files are its own)"
+        ) from exc
+    return fd
 
 
 def _unlink(path: Path) -> None:

@@ -40,7 +40,7 @@ class PageIO(Protocol):
 class TierStats:
     """Tier contents now (pages, bytes, budgets) and monotone counters: pages written to
     each tier, pages loaded back from each, pages that fell off the bottom (``dropped``),
-    disk files found damaged (``corrupt``), loads refused as slower than recomputing
+    disk files found damaged (``corrupt``), disk writes that failed (``disk_write_errors``), loads refused as slower than recomputing
     (``skipped_slow``); and the measured costs that decide loads (seconds per page)."""
 
     host_pages: int
@@ -55,6 +55,7 @@ class TierStats:
     loaded_disk: int
     dropped: int
     corrupt: int
+    disk_write_errors: int
     skipped_slow: int
     load_s_per_page_host: float | None
     load_s_per_page_disk: float | None
@@ -212,11 +213,13 @@ class KVTiers:
             disk_bytes=disk.used_bytes if disk else 0,
             disk_budget_bytes=disk.budget_bytes if disk else 0,
             written_host=self._written[Tier.HOST],
-            written_disk=self._written[Tier.DISK],
+            # pages whose write failed (a full disk) were never written
+            written_disk=self._written[Tier.DISK] - (disk.write_errors if disk else 0),
             loaded_host=self._loaded[Tier.HOST],
             loaded_disk=self._loaded[Tier.DISK],
             dropped=self._dropped + (disk.evicted if disk else 0),
             corrupt=disk.corrupt if disk else 0,
+            disk_write_errors=disk.write_errors if disk else 0,
             skipped_slow=self._skipped_slow,
             load_s_per_page_host=self.cost.load_s_per_page(Tier.HOST),
             load_s_per_page_disk=self.cost.load_s_per_page(Tier.DISK),

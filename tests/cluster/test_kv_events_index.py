@@ -103,6 +103,22 @@ def test_the_hub_serves_batches_past_a_cursor_or_a_snapshot_when_too_far_behind(
     assert hub.pull({}).loads == {} and hub.num_hashes() == 0
 
 
+def test_a_replica_that_stops_reporting_leaves_the_stats_and_the_mirror() -> None:
+    """Serve replaces a killed replica without its ``forget``: once silent past the limit,
+    its last stats (pages, running requests) stop counting and its hashes leave the routers."""
+    now = [0.0]
+    hub = EventHub(silent_s=10.0, clock=lambda: now[0])
+    for replica, hashes in (("live", [1, 2]), ("killed", [3, 4])):
+        hub.publish_snapshot(KVSnapshot(replica, 1, 0, hashes))
+        hub.publish_stats(replica, {"pages_total": 512, "requests_running": 5})
+    for _ in range(30):  # 15 s of reports every 0.5 s, from the live replica only
+        now[0] += 0.5
+        hub.publish_stats("live", {"pages_total": 512, "requests_running": 0})
+        assert "live" in hub.stats()
+    assert list(hub.stats()) == ["live"]
+    assert set(hub.pull({}).loads) == {"live"} and hub.num_hashes() == 2
+
+
 class PublishedIndexMachine(RuleBasedStateMachine):
     """Requests run on two replicas; batches travel to a router that may lose some. Whenever
     the router has caught up (resyncing where it must), its index equals the trees."""

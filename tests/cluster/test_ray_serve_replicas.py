@@ -6,6 +6,7 @@ Skipped with a message where Ray is not installed or cannot start; CI installs i
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import time
 import uuid
 from typing import Any
@@ -26,7 +27,7 @@ SYSTEM = (
 
 
 @pytest.fixture(scope="module")
-def cluster_url() -> Any:
+def cluster() -> Any:
     try:
         server = ServerProcess(
             "--replicas",
@@ -42,8 +43,13 @@ def cluster_url() -> Any:
         )
     except RuntimeError as exc:
         pytest.skip(f"Ray Serve could not start here: {str(exc)[-2000:]}")
-    yield server.url
+    yield server
     assert server.stop(timeout=90) == 0, server.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def cluster_url(cluster: ServerProcess) -> str:
+    return cluster.url
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +65,36 @@ def local(loaded_fp32: Any) -> Any:
 
 def replicas(url: str) -> dict[str, dict[str, Any]]:
     return httpx.get(url + "/v1/replicas", timeout=10).json()
+
+
+def test_the_local_ray_cluster_listens_on_loopback_only(cluster: ServerProcess) -> None:
+    """Ray has no authentication: GCS, raylet, the Serve actors, workers and agents of the
+    cluster ``serve --replicas`` starts must not be reachable from another machine."""
+    import psutil
+
+    root = psutil.Process(cluster.process.pid)
+    pids = {root.pid, *(p.pid for p in root.children(recursive=True))}
+    listening = [
+        c for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    ]
+    assert len(listening) >= 3  # the HTTP port, GCS, the raylet at least
+
+    def loopback(ip: str) -> bool:
+        address = ipaddress.ip_address(ip)
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+        return (mapped or address).is_loopback
+
+    exposed = [c for c in listening if not loopback(c.laddr.ip)]
+    # Ray Serve binds one server of the ingress replica to [::] in its own code (its
+    # inter-deployment gRPC); that process must run with Ray's token authentication.
+    serve_grpc = [c for c in exposed if psutil.Process(c.pid).name().startswith("ray::Serve")]
+    for c in serve_grpc:
+        assert psutil.Process(c.pid).environ().get("RAY_AUTH_MODE") == "token"
+    assert len(serve_grpc) <= 1
+    others = [(psutil.Process(c.pid).name(), c.laddr.ip, c.laddr.port)
+              for c in exposed if c not in serve_grpc]
+    assert others == []
 
 
 def test_greedy_answers_do_not_depend_on_the_replica(
@@ -167,3 +203,26 @@ def test_every_page_is_accounted_for_after_a_client_leaves_mid_stream(
     for s in stats.values():
         assert s["pages_free"] + s["pages_cached"] == s["pages_total"], s
         assert s["requests_running"] == 0 and s["pages_in_use"] == 0, s
+
+
+def test_a_stop_right_after_start_up_exits_cleanly_and_leaves_no_process() -> None:
+    """SIGTERM the moment /health first answers (start-up may still be finishing): exit 0,
+    and every process the cluster started (raylet, GCS, agents, workers) is gone."""
+    import psutil
+
+    try:
+        server = ServerProcess(
+            "--replicas", "1", "--threads", "1", "--num-pages", "64",
+            module="cluster.cli", ready_timeout=240.0,
+        )
+    except RuntimeError as exc:
+        pytest.skip(f"Ray Serve could not start here: {str(exc)[-2000:]}")
+    root = psutil.Process(server.process.pid)
+    started = root.children(recursive=True)
+    server.process.send_signal(15)
+    assert server.process.wait(120) == 0, server.output()[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(p.is_running() for p in started):
+        time.sleep(0.5)
+    left = [p.name() for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], left

@@ -65,6 +65,43 @@ def test_a_request_goes_out_as_token_ids_with_its_text(front: Any) -> None:
     assert call.namespace == "tenant" and call.prompt == "Hello there"
 
 
+def test_a_replica_failure_reaches_the_client_without_ray_internals(front: Any) -> None:
+    """A replica that dies mid-request (Ray raises an error naming pids, node addresses and
+    actor ids) is a plain retryable failure to the client; a ValueError from the replica
+    (the request's own fault) still reaches it as it was raised."""
+    from engine.serving.errors import EngineDeadError
+
+    class ActorDiedError(RuntimeError):
+        """Shaped like Ray's: the message carries the internals."""
+
+    failures: list[BaseException] = [
+        ActorDiedError("The actor died. pid=4242, ip=10.0.0.7, actor_id=8f2c, namespace=serve"),
+        ValueError("max_new_tokens: over the context"),
+    ]
+
+    async def stream(call: EngineCall) -> Any:
+        raise failures.pop(0)
+        yield
+
+    remote = RemoteEngine(front, stream, lambda: None)
+
+    async def run() -> list[BaseException]:
+        errors = []
+        for _ in range(2):
+            handle = remote.submit("Hello", SamplingParams(max_new_tokens=3))
+            try:
+                await handle.aresult()
+            except BaseException as exc:  # noqa: BLE001 - what the app would be handed
+                errors.append(exc)
+        return errors
+
+    died, bad = asyncio.run(run())
+    assert isinstance(died, EngineDeadError) and str(died) == (
+        "the replica serving this request failed; retry"
+    )
+    assert isinstance(bad, ValueError) and "max_new_tokens" in str(bad)
+
+
 def test_replicas_stats_add_up_and_the_hit_rate_is_recomputed() -> None:
     a = msgspec.structs.replace(
         ZERO_STATS,

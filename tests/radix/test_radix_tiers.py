@@ -4,6 +4,7 @@ hypothesis state machine over KVManager + host + disk), and the disk format's pr
 
 from __future__ import annotations
 
+import os
 import struct
 import tempfile
 from pathlib import Path
@@ -192,7 +193,7 @@ def test_a_file_under_another_keys_name_is_a_miss(tmp_path: Path) -> None:
     store, record = _stored(tmp_path)
     store.close()
     other = 0x0FED_CBA9_8765_4321
-    target = DiskStore(tmp_path, 1 << 20, "m").path(other)
+    target = store.path(other)  # the same layout: a closed store still names paths
     target.parent.mkdir(exist_ok=True)
     target.write_bytes(store.path(record.key).read_bytes())
     again = DiskStore(tmp_path, 1 << 20, "m")
@@ -230,6 +231,55 @@ def test_the_disk_budget_deletes_least_recently_used_files(tmp_path: Path) -> No
     again = DiskStore(tmp_path, 2 * size, "m")
     assert len(again) == 2 and again.used_bytes <= 2 * size
     again.close()
+
+
+def test_page_files_and_their_directories_are_the_owners_alone(tmp_path: Path) -> None:
+    """Files hold tenants' token ids: 0600 files in 0700 directories, whatever the umask."""
+    store, record = _stored(tmp_path)
+    path = store.path(record.key)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert store.directory.stat().st_mode & 0o777 == 0o700
+    store.close()
+
+
+def test_a_second_store_on_the_same_directory_is_refused(tmp_path: Path) -> None:
+    store, _ = _stored(tmp_path)
+    with pytest.raises(ValueError, match="kv_disk_dir: .* in use by another engine"):
+        DiskStore(tmp_path, 1 << 20, "m")
+    store.close()
+    DiskStore(tmp_path, 1 << 20, "m").close()  # free again once the first closed
+
+
+def test_an_unusable_directory_is_a_value_error_naming_the_field(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="kv_disk_dir: cannot use"):
+        DiskStore(a_file / "below", 1 << 20, "m")
+
+
+def test_failed_writes_leave_no_files_are_counted_and_unindexed(tmp_path: Path) -> None:
+    """A full disk, for real: each page's temporary file is made a link to /dev/full, whose
+    writes the kernel fails with ENOSPC. Nothing is left behind, every failure is counted,
+    and the store stops claiming the pages (so nothing is read back from a missing file)."""
+    store = DiskStore(tmp_path, 1 << 20, "m")
+    records = [PageRecord(k, b"\0" * 8, bytes([k]) * 64) for k in range(1, 4)]
+    writer = store._writer.ident
+    for r in records[:2]:
+        path = store.path(r.key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{writer}.tmp"
+        tmp.symlink_to("/dev/full")
+    for r in records:
+        assert store.put(r)
+    store.flush()
+    assert store.write_errors == 2
+    assert sorted(store.keys()) == [3] and store.used_bytes == file_size(records[2])
+    assert [p.name for p in store.directory.rglob("*.kv")] == [f"{3:016x}.kv"]
+    assert not list(store.directory.rglob("*.tmp"))
+    assert store.get(1, records[0].tokens) is None
+    store.check()
+    store.close()
 
 
 # ---------------------------------------------------------------------- state machine

@@ -4,6 +4,8 @@ the field, never a traceback, and the server keeps serving."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -52,6 +54,8 @@ MATRIX = [
     (CHAT, chat(top_k=-2), 400, "top_k"),
     (CHAT, chat(min_p=2), 400, "min_p"),
     (CHAT, chat(seed=-1), 400, "seed"),
+    (CHAT, chat(seed=1 << 63), 400, "seed"),  # the engine's seeds are below 2**63
+    (CHAT, {"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
     (CHAT, chat(n=0), 400, "n"),
     (CHAT, chat(n=1000), 400, "n"),
     (CHAT, chat(stop=[""]), 400, "stop"),
@@ -105,6 +109,7 @@ def test_bad_input_gets_openai_error_json(
         b"[1, 2]",
         b'{"messages": [',
         b"\xff\xfe",
+        b'{"messages": [{"role": "user", "content": "\xff"}]}',  # a str that is not UTF-8
         b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
     ],
 )
@@ -112,6 +117,63 @@ def test_unparseable_bodies_get_400(server_url: str, raw: bytes) -> None:
     reply = httpx.post(server_url + CHAT, content=raw, headers={"content-type": "application/json"})
     assert reply.status_code == 400
     assert reply.json()["error"]["type"] == "invalid_request_error"
+    assert "codec" not in reply.json()["error"]["message"]  # ours, not Python's
+
+
+def test_json_nested_too_deeply_is_a_400_not_a_500(server_url: str) -> None:
+    # an unknown field is skipped, and msgspec's skipping recurses once per level
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "extra": '
+    raw += b"[" * 5000 + b"]" * 5000 + b"}"
+    reply = httpx.post(server_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+    assert "nested too deeply" in reply.json()["error"]["message"]
+
+
+def test_a_body_over_the_size_limit_is_a_413_before_it_is_parsed(server_url: str) -> None:
+    big = {"model": "x", "messages": [{"role": "user", "content": "a" * (5 << 20)}]}
+    reply = httpx.post(server_url + CHAT, json=big, timeout=60)
+    assert reply.status_code == 413
+    assert reply.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(  # no Content-Length: counted while it streams in
+        server_url + CHAT, content=iter([b'{"messages": "'] + [b"a" * (1 << 20)] * 6 + [b'"}']),
+        headers={"content-type": "application/json"}, timeout=60,
+    )
+    assert chunked.status_code == 413
+
+
+def test_a_text_longer_than_any_context_is_refused_without_holding_the_server(
+    server_url: str,
+) -> None:
+    """3 MB messages (under the body limit) cannot fit 8,192 tokens whatever their tokens:
+    refused by their length before tokenizing, while /health keeps answering at once."""
+    body = {"messages": [{"role": "user", "content": "word " * (600 << 10)}]}
+    health: list[float] = []
+    replies: list[httpx.Response] = []
+
+    def probe() -> None:
+        for _ in range(10):
+            start = time.perf_counter()
+            httpx.get(server_url + "/health", timeout=30)
+            health.append(time.perf_counter() - start)
+            time.sleep(0.05)
+
+    def big() -> None:
+        replies.append(httpx.post(server_url + CHAT, json=body, timeout=60))
+
+    workers = [threading.Thread(target=probe)] + [threading.Thread(target=big) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert [r.status_code for r in replies] == [400] * 3
+    assert {r.json()["error"]["code"] for r in replies} == {"context_length_exceeded"}
+    assert max(health) < 2.0, health
+
+
+def test_one_request_cannot_add_more_than_the_choices_cap(server_url: str) -> None:
+    body = {"prompt": ["Hi"] * 100, "n": 3, "max_tokens": 1}  # 300 engine requests
+    reply = httpx.post(server_url + COMPLETIONS, json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
 
 
 def test_unknown_routes_and_methods_get_json_errors(server_url: str) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -120,7 +122,12 @@ AUTH = {"Authorization": "Bearer sekret"}
 
 def test_api_key_is_required_on_v1_routes(guarded: ServerProcess) -> None:
     url = guarded.url
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "sekret"},
+        {"Authorization": "Bearer s\u00e9kret".encode()},  # non-ASCII: 401, not a 500
+    ):
         reply = httpx.get(url + "/v1/models", headers=headers)
         assert reply.status_code == 401
         assert reply.json()["error"]["type"] == "authentication_error"
@@ -155,6 +162,31 @@ def test_full_queue_answers_503_with_retry_after(guarded: ServerProcess) -> None
     assert wait_until(lambda: idle(url), 10)
 
 
+def test_the_queue_limit_counts_every_completion_a_request_adds(guarded: ServerProcess) -> None:
+    """--max-queued 1: two prompts are two engine requests, which can never wait in a queue
+    of one (a 400 saying so, not a 503 to retry forever); one prompt is admitted."""
+    body = {"prompt": ["Hello", "Bye"], "max_tokens": 2}
+    reply = httpx.post(guarded.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
+    assert "--max-queued" in reply.json()["error"]["message"]
+    body = {"prompt": "Hello", "max_tokens": 2}
+    ok = httpx.post(guarded.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_an_unusable_kv_disk_dir_is_a_usage_error_not_a_traceback(tmp_path: Any) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--dtype", "float32", "--port", "0",
+         "--kv-disk-dir", str(a_file / "below")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "radixkv: error: kv_disk_dir: cannot use" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_sigterm_stops_accepting_lets_the_stream_in_flight_finish_and_exits_0(
     guarded: ServerProcess,
 ) -> None:
@@ -183,3 +215,29 @@ def test_sigterm_stops_accepting_lets_the_stream_in_flight_finish_and_exits_0(
     finals = [line for line in received if '"finish_reason":"length"' in line]
     assert finals, received[-3:]  # the stream ran to its end: 40 tokens, not aborted
     assert received[-1] == "data: [DONE]"
+
+
+def test_streams_still_running_when_the_grace_period_ends_are_ended_not_cut() -> None:
+    """--grace-period 1 and a 2,000-token stream: at the end of the grace the request is
+    aborted, and the client still gets a last chunk (finish_reason "abort") and [DONE]."""
+    proc = ServerProcess("--num-pages", "256", "--grace-period", "1")
+    received: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream(
+            "POST", proc.url + CHAT, json=long_chat(max_tokens=2000, stream=True), timeout=120
+        ) as reply:
+            received.extend(line for line in reply.iter_lines() if line)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        assert wait_until(lambda: any(content(line) for line in received), 60)
+        proc.process.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert proc.process.wait(60) == 0
+    finally:
+        proc.stop()
+    assert any('"finish_reason":"abort"' in line for line in received), received[-3:]
+    assert received[-1] == "data: [DONE]"
+    assert "Traceback" not in proc.output()

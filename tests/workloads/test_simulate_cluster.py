@@ -80,3 +80,14 @@ def test_small_pools_keep_the_index_within_the_replicas_pools(capsys) -> None:
     main(["--replicas", "2", "--router", "all", "--traces", "shared-prefix", "--capacity", "0.5"])
     out = capsys.readouterr().out
     assert all(name in out for name in ("cache_aware", "text_prefix", "least_loaded"))
+
+
+def test_the_single_engine_simulators_help_shows_the_cluster_options(capsys) -> None:
+    import pytest
+
+    from workloads.simulate import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "--replicas" in text and "--router" in text

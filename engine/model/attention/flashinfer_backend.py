@@ -44,7 +44,7 @@ class AttentionOps:
 
     name: str
     prefill_wrapper: Callable[[torch.Tensor], Any]
-    decode_wrapper: Callable[[torch.Tensor], Any]
+    decode_wrapper: Callable[[torch.Tensor, bool], Any]  # (workspace, use_tensor_cores)
     append_paged_kv_cache: Callable[..., None]
     merge_state: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,7 +53,9 @@ def ops_from_module(module: ModuleType, name: str) -> AttentionOps:
     return AttentionOps(
         name,
         lambda ws: module.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
-        lambda ws: module.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"),
+        lambda ws, tensor_cores: module.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_tensor_cores=tensor_cores
+        ),
         module.append_paged_kv_cache,
         module.merge_state,
     )
@@ -101,7 +103,10 @@ class FlashInferBackend(AttentionBackend):
         size = WORKSPACE_BYTES if device.type == "cuda" else 0
         self._workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         self._prefill = ops.prefill_wrapper(self._workspace)
-        self._decode = ops.decode_wrapper(self._workspace)
+        # FlashInfer's CUDA-core decode kernel is built for query groups of 1, 2, 3, 4 and 8
+        # query heads per KV head; other groups take its tensor-core (prefill) kernel.
+        group = num_heads // num_kv_heads
+        self._decode = ops.decode_wrapper(self._workspace, group not in (1, 2, 3, 4, 8))
         self._shared = ops.prefill_wrapper(self._workspace)
         self._plan: FlashInferPlan | None = None
         self._own: Any = None

@@ -62,7 +62,12 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torc
 class _PagedAttention:
     """What both wrappers share: the planned page tables, and one request at a time."""
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_tensor_cores: bool = False,
+    ) -> None:
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout: the reference implements NHD only, got {kv_layout!r}")
         self._planned: dict[str, object] | None = None

@@ -38,11 +38,6 @@ def bundled_gguf() -> Path:
     return files[0]
 
 
-def _cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "radixkv" / "tokenizers"
-
-
 def load_tokenizer(model: str | None = None) -> Any:
     """The tokenizer of ``model`` (an HF directory or a .gguf file; None: the bundled model)."""
     from transformers import AutoTokenizer
@@ -53,7 +48,9 @@ def load_tokenizer(model: str | None = None) -> Any:
     if not gguf.is_file():
         raise ValueError(f"model: {str(gguf)!r} is neither a directory nor a .gguf file")
     stat = gguf.stat()
-    cached = _cache_root() / f"{gguf.stem}-{stat.st_size}"
+    from engine.model.machine import cache_root
+
+    cached = cache_root() / "tokenizers" / f"{gguf.stem}-{stat.st_size}"
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

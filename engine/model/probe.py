@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from engine.model.machine import cache_root, machine_key
+
 DTYPES = ("float32", "bfloat16")
 # bf16 is chosen only when it is at least this much faster (geometric mean of both shapes).
 MIN_SPEEDUP = 1.1
@@ -182,24 +184,6 @@ def choose(reports: dict[str, DtypeReport | None]) -> str:
     return "bfloat16" if ratio >= MIN_SPEEDUP else "float32"
 
 
-def machine_key() -> str:
-    """CPU model, its flags and torch's version: what the probe's answer depends on."""
-    import xxhash
-
-    name, flags = "unknown", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name == "unknown":
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    text = f"{name}|{flags}|{torch.__version__}|{os.cpu_count()}"
-    return xxhash.xxh64(text.encode()).hexdigest()
-
-
 def kernels_key() -> str:
     """The native kernels' sources: a new version is probed again."""
     import xxhash
@@ -235,7 +219,6 @@ def probe(
 ) -> ProbeResult:
     """The remembered probe for this machine, or a new one (seconds) that is then saved."""
     if cache_dir is None:
-        from engine.model.loader import cache_root
 
         cache_dir = cache_root() / "probe"
     path = cache_dir / f"{machine_key()}-{kernels_key()}.json"

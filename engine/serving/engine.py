@@ -16,6 +16,7 @@ import torch
 from engine.model.attention import BACKENDS
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel, load_model
+from engine.model.machine import available_memory_bytes, machine_memory_bytes
 from engine.model.runner import ModelRunner
 from engine.model.threads import ThreadPolicy
 from engine.serving.detokenizer import IncrementalDetokenizer
@@ -432,36 +433,12 @@ def _check_pool_fits(loaded: LoadedModel, page_size: int, pages: int, field: str
     if loaded.device.type == "cuda":
         available = torch.cuda.mem_get_info(loaded.device)[0]
     else:
-        available = _available_memory_bytes()
+        available = available_memory_bytes()
     if need > available:
         raise ValueError(
             f"{field}: {pages} pages x {per_page:,} bytes (page_size {page_size}) = {need:,} "
             f"bytes of KV cache, more than the {available:,} bytes of memory available"
         )
-
-
-def _available_memory_bytes() -> int:
-    """Memory the process can still take: MemAvailable, or a cgroup limit when lower."""
-    available = _machine_memory_bytes()
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    for path, used_path in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            with open(path) as f, open(used_path) as g:
-                limit = f.read().strip()
-                if limit.isdigit():
-                    available = min(available, int(limit) - int(g.read().strip()))
-        except (OSError, ValueError):
-            continue
-    return available
 
 
 def _check_engine_args(
@@ -516,7 +493,7 @@ def _pool_pages(
         if loaded.device.type == "cuda":
             kv_cache_bytes = KVPool.cuda_budget_bytes(CUDA_KV_FRACTION, loaded.device)
         else:
-            kv_cache_bytes = min(CPU_KV_BYTES, _machine_memory_bytes() // 8)
+            kv_cache_bytes = min(CPU_KV_BYTES, machine_memory_bytes() // 8)
     pages = KVPool.pages_for_bytes(
         kv_cache_bytes, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
     )
@@ -528,13 +505,6 @@ def _pool_pages(
             f"kv_cache_bytes: {kv_cache_bytes} is less than one page ({per_page} bytes)"
         )
     return pages
-
-
-def _machine_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 << 30
 
 
 def _verified(loaded: LoadedModel, batch_invariant: bool) -> bool:

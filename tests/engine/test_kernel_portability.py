@@ -15,7 +15,7 @@ import torch
 
 from engine.model import native_build
 from engine.model.attention import native
-from engine.model.loader import cpu_flags
+from engine.model.machine import cpu_flags
 from engine.model.products import NONE, RMSNORM, SILU_MUL, PackedWeight
 from engine.model.products import SOURCE as PRODUCTS
 

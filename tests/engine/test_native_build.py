@@ -20,9 +20,9 @@ def test_a_build_for_another_cpu_or_source_is_never_loaded(
     key = native_build.fingerprint(PRODUCTS)
     assert key == native_build.fingerprint(PRODUCTS)
     assert key != native_build.fingerprint(native.SOURCE)
-    import engine.model.probe as probe
+    import engine.model.machine as machine
 
-    monkeypatch.setattr(probe, "machine_key", lambda: "x86_64|flags: fpu sse2")
+    monkeypatch.setattr(machine, "cpu_info", lambda: ("another CPU", ("fpu", "sse2")))
     other_cpu = native_build.fingerprint(PRODUCTS)
     assert other_cpu != key
     edited = tmp_path / "dense.cpp"

@@ -17,10 +17,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from cluster.config import ROUTERS, ClusterConfig
 from engine.serving import cli as engine_cli
 from server import cli as server_cli
-
-ROUTERS = ("cache_aware", "power_of_two", "prefix_affinity")  # what --router can name
 
 
 def add_serve(commands: argparse._SubParsersAction) -> None:
@@ -119,7 +118,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.serve import ClusterConfig, build_app, stop_hub
+    from cluster.serve import build_app, stop_hub
 
     names = args.served_model_name or [server_cli.model_name(args.model)]
     engine = {

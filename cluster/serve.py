@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.cli import ROUTERS
+from cluster.config import ClusterConfig
 from cluster.events import KVEventBatch, KVEventPublisher
 from cluster.hub import EventHub
 from cluster.index import KVIndex
@@ -44,32 +44,6 @@ _RAY_ROUTERS = {
         "PrefixCacheAffinityRouter"
     ),
 }
-
-
-class ClusterConfig(msgspec.Struct, frozen=True):
-    """Everything ``build_app`` needs; ``engine`` holds Engine keyword arguments."""
-
-    replicas: int = 2
-    threads: int = 1  # CPU threads (and Ray CPUs) per replica
-    engine: dict[str, Any] = {}
-    router: str = "cache_aware"
-    balance_threshold: int = 4
-    max_ongoing_requests: int = 64  # Ray's default (5) would starve continuous batching
-    hub_name: str = "radixkv-kv-hub"
-    model: str | None = None
-    server: dict[str, Any] = {}  # ServerConfig keyword arguments
-
-    def check(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
-        if self.threads < 1:
-            raise ValueError(f"threads: must be >= 1, got {self.threads}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router: must be one of {ROUTERS}, got {self.router!r}")
-        if self.balance_threshold < 0:
-            raise ValueError(f"balance_threshold: must be >= 0, got {self.balance_threshold}")
-        if self.max_ongoing_requests < 1:
-            raise ValueError(f"max_ongoing_requests: must be >= 1, got {self.max_ongoing_requests}")
 
 
 # ------------------------------------------------------------------------------ the hub

@@ -68,6 +68,3 @@ class Batch:
     def num_decode(self) -> int:
         return sum(1 for e in self.entries if e.is_decode)
 
-    @property
-    def num_prefill(self) -> int:
-        return len(self.entries) - self.num_decode

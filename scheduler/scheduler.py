@@ -102,10 +102,6 @@ class Scheduler:
         ratio = min(1.0, self._generated_fraction + cfg.reserve_margin)
         return max(cfg.reserve_ratio_min, ratio, self._preemption_boost)
 
-    def get(self, request_id: int | str) -> Request | None:
-        """A waiting or running request."""
-        return self._live.get(request_id)
-
     def add(self, request: Request) -> None:
         """Queue a new request (state WAITING)."""
         if request.state is not RequestState.WAITING or request.admitted:
@@ -184,12 +180,12 @@ class Scheduler:
         self,
         batch: Batch,
         next_tokens: Sequence[int],
-        stop_strings: Container[Request] = (),
+        hit_stop_string: Container[Request] = (),
     ) -> list[Request]:
         """Apply a forward pass's results; returns the requests it finished.
 
         Here, and only here, a request is found finished (``Request.finish_reason_after``):
-        on a stop token, on reaching max_new_tokens, or when it is in ``stop_strings`` (its
+        on a stop token, on reaching max_new_tokens, or when it is in ``hit_stop_string`` (its
         text, with this step's token, holds a stop string: the caller's detokeniser reports).
         """
         if batch is not self._inflight:
@@ -216,7 +212,7 @@ class Scheduler:
                 counters.generated_tokens += 1
                 if request.first_token_time is None:
                     request.first_token_time = time.monotonic()
-                reason = request.finish_reason_after(token, request in stop_strings)
+                reason = request.finish_reason_after(token, request in hit_stop_string)
                 if reason is not None:
                     self._release(request, keep=True)
                     self._retire(request, RequestState.FINISHED, reason)

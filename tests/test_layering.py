@@ -19,7 +19,10 @@ FORBIDDEN = {
     "cluster": ("workloads",),
 }
 # Modules the simulator runs as they are: no Ray, no torch.
-PLAIN = ("cluster/events.py", "cluster/index.py", "cluster/policy.py", "cluster/hub.py")
+PLAIN = (
+    "cluster/events.py", "cluster/index.py", "cluster/policy.py", "cluster/hub.py",
+    "cluster/config.py",
+)
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -268,7 +268,7 @@ class EngineLoop:
         now = time.monotonic()
         # Text first: the detokeniser reports stop strings, which commit() then decides on.
         sampled: list[tuple[Job, str]] = []
-        stop_strings: set[Request] = set()
+        hit_stop_string: set[Request] = set()
         for entry, token, logprob in zip(batch.entries, next_tokens, result.logprobs):
             job = self._live.get(entry.request.id)
             if not entry.sample or job is None:
@@ -283,9 +283,9 @@ class EngineLoop:
                 self._fail(job, exc)  # aborted now: commit() skips it
                 continue
             if job.detokenizer.stopped:
-                stop_strings.add(job.request)
+                hit_stop_string.add(job.request)
             sampled.append((job, delta))
-        self._scheduler.commit(batch, next_tokens, stop_strings)
+        self._scheduler.commit(batch, next_tokens, hit_stop_string)
         for job, delta in sampled:
             try:
                 if job.request.is_done:

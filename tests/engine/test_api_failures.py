@@ -64,12 +64,12 @@ def test_a_dead_loop_fails_every_waiter_and_later_calls(make_engine) -> None:
     real_commit = scheduler.commit
     commits = 0
 
-    def commit_then_break(batch, tokens, stop_strings=()):
+    def commit_then_break(batch, tokens, hit_stop_string=()):
         nonlocal commits
         commits += 1
         if commits == 3:
             raise RuntimeError("scheduler state corrupted")
-        return real_commit(batch, tokens, stop_strings)
+        return real_commit(batch, tokens, hit_stop_string)
 
     scheduler.commit = commit_then_break  # fault injection into the loop itself
     errors: list[BaseException] = []

@@ -313,7 +313,7 @@ def test_a_reported_stop_string_finishes_a_running_request_as_stopped() -> None:
     step(sched, model)
     batch = sched.schedule()
     assert batch is not None
-    assert sched.commit(batch, model.step(batch), stop_strings={request}) == [request]
+    assert sched.commit(batch, model.step(batch), hit_stop_string={request}) == [request]
     assert request.state is RequestState.FINISHED and request.finish_reason == "stop"
     assert len(request.output) == 2
     assert not sched.has_work

@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 rm -rf .gpu && mkdir -p .gpu/whl
-# The GPU image: Python 3.12, torch 2.11 + CUDA 13, x86-64 (../.library/device/KINDS.md).
+# The GPU image: Python 3.12, torch 2.11 + CUDA 13, x86-64 (../.library/device/KINDS.md). It
+# holds nvidia-ml-py, einops, tabulate, ninja and nvcc, which FlashInfer 0.6.13 also needs
+# (checked: `import flashinfer` needs nothing more than these and apache-tvm-ffi).
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \

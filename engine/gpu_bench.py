@@ -68,19 +68,23 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def decode_batch(
-    lengths: list[int], page_size: int, first_page: int = 0
-) -> tuple[Batch, list[list[int]]]:
+def decode_batch(lengths: list[int], page_size: int) -> Batch:
     """One decode entry per request, each on its own consecutive pages."""
-    entries, tables, page = [], [], first_page
+    entries, page = [], 0
     for i, n in enumerate(lengths):
         need = -(-n // page_size)
-        table_ = list(range(page, page + need))
-        page += need
         req = Request(i, [7] * n, SamplingParams(max_new_tokens=2), output=[7])
-        entries.append(BatchEntry.on_pages(req, [7], n - 1, table_, page_size))
-        tables.append(table_)
-    return Batch(entries, page_size), tables
+        entries.append(
+            BatchEntry.on_pages(req, [7], n - 1, list(range(page, page + need)), page_size)
+        )
+        page += need
+    return Batch(entries, page_size)
+
+
+def random_ids(seed: int, vocab: int) -> Callable[[int], list[int]]:
+    """``ids(n)``: n token ids drawn from a generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda n: torch.randint(100, vocab, (n,), generator=gen).tolist()
 
 
 def attention_rows(bandwidth: float) -> list[list[object]]:
@@ -91,7 +95,7 @@ def attention_rows(bandwidth: float) -> list[list[object]]:
         for b, ctx in ((1, 2048), (8, 2048), (32, 2048), (128, 2048), (32, 8192)):
             pages = b * -(-ctx // ps) + 1
             pool = KVPool(1, pages, ps, hkv, d, torch.bfloat16, "cuda")
-            batch, _ = decode_batch([ctx] * b, ps)
+            batch = decode_batch([ctx] * b, ps)
             fb = ForwardBatch.from_batch(batch, "cuda")
             backend = FlashInferBackend(
                 hq, hkv, d, torch.device("cuda"), flashinfer_ops(), torch.bfloat16
@@ -150,7 +154,7 @@ def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]
                 batch = shared_decode_batch(b, ctx, ps)
                 kv = kv_token * (ctx + b * ps)
             else:
-                batch = decode_batch([ctx] * b, ps)[0]
+                batch = decode_batch([ctx] * b, ps)
                 kv = kv_token * b * ctx
             step = cuda_time(partial(runner.forward, batch))
             floor = (weights + kv) / bandwidth
@@ -177,11 +181,7 @@ def shared_prefix_rows(loaded: Any) -> list[list[object]]:
     """8 groups x 8 requests, 1,000-token prefix each, 60-token questions, 32 tokens out."""
     from engine import Engine
 
-    gen = torch.Generator().manual_seed(0)
-    vocab = loaded.config.vocab_size
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(100, vocab, (n,), generator=gen).tolist()
+    ids = random_ids(0, loaded.config.vocab_size)
 
     prompts = [p + ids(60) for p in (ids(1000) for _ in range(8)) for _ in range(8)]
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
@@ -210,11 +210,7 @@ def exactness_rows(loaded: Any) -> list[list[object]]:
     """Greedy answers cache on vs off and alone vs batched; logits alone vs batched."""
     from engine import Engine
 
-    gen = torch.Generator().manual_seed(1)
-    vocab = loaded.config.vocab_size
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(100, vocab, (n,), generator=gen).tolist()
+    ids = random_ids(1, loaded.config.vocab_size)
 
     shared = ids(400)
     prompts = [shared + ids(10 + 7 * i) for i in range(12)] + [ids(50 + 30 * i) for i in range(4)]

@@ -166,18 +166,20 @@ class OpenAIServer:
         """The body, or 413 past ``max_body_bytes`` (by its Content-Length when it has one,
         else while it streams in)."""
         limit = self.config.max_body_bytes
-        refused = too_large(
-            f"the request body is over {limit} bytes (the server's --max-body-bytes)"
-        )
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise refused
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise refused
-            chunks.append(chunk)
+        size = int(declared) if declared.isdigit() else 0
+        chunks = []
+        if size <= limit:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+        if size > limit:
+            raise too_large(
+                f"the request body is over {limit} bytes (the server's --max-body-bytes)"
+            )
         return b"".join(chunks)
 
     async def encode(self, prompt: Any, field: str, texts: list[str]) -> list[int]:
@@ -236,11 +238,12 @@ class OpenAIServer:
                 f"this server's queue of {limit} (--max-queued); send fewer at a time",
                 param="n",
             )
-        if self.engine.num_waiting() + adding > limit:
+        waiting = self.engine.num_waiting()
+        if waiting + adding > limit:
             self.metrics.reject("queue_full")
             raise overloaded(
-                f"the server is busy: {self.engine.num_waiting()} requests already wait and "
-                f"the queue holds {limit} (--max-queued); retry later"
+                f"the server is busy: {waiting} requests already wait and the queue holds "
+                f"{limit} (--max-queued); retry later"
             )
 
     def max_tokens(self, asked: int | None, field_name: str, prompt_len: int, where: str) -> int:

@@ -21,6 +21,7 @@ import xxhash
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
 from radix.tiers import DiskStore, HostStore, KVTiers
+from radix.tiers.disk import ensure_directory
 
 # Without kv_disk_bytes: this much of the directory's free space at start, at most DISK_CAP.
 DISK_FREE_FRACTION = 0.5
@@ -65,12 +66,7 @@ def build_tiers(
     disk = None
     if kv_disk_dir is not None:
         directory = Path(kv_disk_dir).expanduser()
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # read-only, a path under a file, no permission
-            raise ValueError(
-                f"kv_disk_dir: cannot use {str(kv_disk_dir)!r}: {exc.strerror or exc}"
-            ) from exc
+        ensure_directory(directory)  # its free space sizes the default budget
         if kv_disk_bytes is None:
             free = shutil.disk_usage(directory).free
             kv_disk_bytes = min(DISK_CAP_BYTES, int(free * DISK_FREE_FRACTION))

@@ -322,12 +322,22 @@ class DiskStore:
             os.close(dir_fd)
 
 
+def ensure_directory(directory: Path, created_mode: int = 0o777) -> None:
+    """``directory`` and its parents exist (new ones with ``created_mode``); a ValueError
+    naming ``kv_disk_dir`` where it cannot be (read-only, a path under a file, no access)."""
+    try:
+        directory.mkdir(mode=created_mode, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"kv_disk_dir: cannot use {str(directory)!r}: {exc.strerror or exc}"
+        ) from exc
+
+
 def _open_locked(directory: Path, root: Path) -> int:
     """Create ``root`` (0700) and take its lock file; a ValueError naming ``kv_disk_dir``
-    when the directory cannot be used (read-only, a path under a file) or another engine
-    holds the store."""
+    when the directory cannot be used or another engine holds the store."""
+    ensure_directory(root, 0o700)
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
         root.chmod(0o700)
         fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:

@@ -115,21 +115,20 @@ def _shared_prefixes(
     if not runs:
         return None
     qo_indptr = fb.qo_indptr.tolist()
-    depth_of_run: list[int] = []
-    seen_depth = [0] * fb.batch_size  # runs each request is in so far, in trie order
-    for members, _a, _b in sorted(runs, key=lambda run: run[1]):
-        depth_of_run.append(seen_depth[members[0]])
-        for r in members:
-            seen_depth[r] += 1
+    depth = [0] * fb.batch_size  # shared runs each request is in so far
     query_rows: list[int] = []
     s_qo = [0]
     s_kv = [0]
     s_pages: list[int] = []
     by_level: dict[int, tuple[list[int], list[int]]] = {}
     saved = 0
-    for (members, a, b), depth in zip(sorted(runs, key=lambda run: run[1]), depth_of_run):
-        shared_rows, rows_here = by_level.setdefault(depth, ([], []))
+    # By first page: a run nested in another starts where the outer one ends, so it comes
+    # after it, and its members (all in the outer run) are one level deeper.
+    for members, a, b in sorted(runs, key=lambda run: run[1]):
+        level = depth[members[0]]
+        shared_rows, rows_here = by_level.setdefault(level, ([], []))
         for r in members:
+            depth[r] += 1
             rows = range(qo_indptr[r], qo_indptr[r + 1])
             shared_rows.extend(range(len(query_rows), len(query_rows) + len(rows)))
             rows_here.extend(rows)

@@ -17,6 +17,7 @@ the KV (query ``i`` of ``n`` sees keys ``0 .. kv_len - n + i``); the log-sum-exp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +60,19 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torc
     return cache[pages.long()].flatten(0, 1)[:kv_len]
 
 
+@dataclass
+class _Planned:
+    """A plan as host lists: per entry its query rows, pages and last page's length."""
+
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    kv_indices: torch.Tensor
+    last_page_len: list[int]
+    page_size: int
+    causal: bool
+    sm_scale: float
+
+
 class _PagedAttention:
     """What both wrappers share: the planned page tables, and one request at a time."""
 
@@ -70,7 +84,7 @@ class _PagedAttention:
     ) -> None:
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout: the reference implements NHD only, got {kv_layout!r}")
-        self._planned: dict[str, object] | None = None
+        self._planned: _Planned | None = None
 
     def _plan(
         self,
@@ -85,6 +99,7 @@ class _PagedAttention:
         causal: bool,
         sm_scale: float | None,
     ) -> None:
+        """``qo_indptr`` None: one query per entry (the decode wrapper)."""
         for name, t in (
             ("kv_indptr", kv_indptr),
             ("kv_indices", kv_indices),
@@ -96,16 +111,16 @@ class _PagedAttention:
             raise ValueError(
                 f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}"
             )
-        self._planned = {
-            "qo_indptr": None if qo_indptr is None else qo_indptr.tolist(),
-            "kv_indptr": kv_indptr.tolist(),
-            "kv_indices": kv_indices,
-            "last": kv_last_page_len.tolist(),
-            "page_size": page_size,
-            "causal": causal,
-            "sm_scale": head_dim**-0.5 if sm_scale is None else sm_scale,
-            "heads": (num_qo_heads, num_kv_heads, head_dim),
-        }
+        kv = kv_indptr.tolist()
+        self._planned = _Planned(
+            list(range(len(kv))) if qo_indptr is None else qo_indptr.tolist(),
+            kv,
+            kv_indices,
+            kv_last_page_len.tolist(),
+            page_size,
+            causal,
+            head_dim**-0.5 if sm_scale is None else sm_scale,
+        )
 
     def run(
         self,
@@ -119,26 +134,20 @@ class _PagedAttention:
         if p is None:
             raise RuntimeError("run called before plan")
         k_cache, v_cache = paged_kv_cache
-        kv_indptr: list[int] = p["kv_indptr"]  # type: ignore[assignment]
-        qo_indptr: list[int] = p["qo_indptr"] or list(range(len(kv_indptr)))  # type: ignore[assignment]
-        ps: int = p["page_size"]  # type: ignore[assignment]
-        indices: torch.Tensor = p["kv_indices"]  # type: ignore[assignment]
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        for b in range(len(kv_indptr) - 1):
-            qa, qb = qo_indptr[b], qo_indptr[b + 1]
-            pa, pb = kv_indptr[b], kv_indptr[b + 1]
-            kv_len = _kv_len(pb - pa, p["last"][b], ps)  # type: ignore[index]
-            pages = indices[pa:pb]
-            o, s = _attend_one(
+        for b in range(len(p.kv_indptr) - 1):
+            qa, qb = p.qo_indptr[b], p.qo_indptr[b + 1]
+            pa, pb = p.kv_indptr[b], p.kv_indptr[b + 1]
+            kv_len = _kv_len(pb - pa, p.last_page_len[b], p.page_size)
+            pages = p.kv_indices[pa:pb]
+            out[qa:qb], lse[qa:qb] = _attend_one(
                 q[qa:qb],
                 _gather_pages(k_cache, pages, kv_len),
                 _gather_pages(v_cache, pages, kv_len),
-                bool(p["causal"]),
-                float(p["sm_scale"]),  # type: ignore[arg-type]
+                p.causal,
+                p.sm_scale,
             )
-            out[qa:qb] = o
-            lse[qa:qb] = s
         result = out.to(q.dtype)
         return (result, lse) if return_lse else result
 

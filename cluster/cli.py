@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from cluster.config import ROUTERS, ClusterConfig
-from engine.serving import cli as engine_cli
+from engine import EngineConfig, build_parser, run_command
 from server import cli as server_cli
 
 
@@ -83,26 +83,24 @@ def _catch_stops() -> None:
 
 def serve_replicas(args: argparse.Namespace) -> int:
     """Start Ray (or join it), deploy the application, serve until SIGINT/SIGTERM."""
-    threads = args.threads or 1
-    for flag, value, low in (
-        ("--replicas", args.replicas, 1),
-        ("--threads", threads, 1),
-        ("--balance-threshold", args.balance_threshold, 0),
-        ("--max-ongoing-requests", args.max_ongoing_requests, 1),
-        ("--max-queued", args.max_queued or 1, 1),
-        ("--max-body-bytes", args.max_body_bytes or 1, 1),
-        ("--port", args.port, 0),
-    ):
+    for flag, value, low in (("--replicas", args.replicas, 1), ("--port", args.port, 0)):
         if value < low:
             print(f"radixkv: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
             return 2
-    if args.kv_disk_dir is not None:
-        print(
-            "radixkv: error: --kv-disk-dir is not supported with --replicas yet (replicas "
-            "would share one store); use --kv-host-bytes",
-            file=sys.stderr,
+    try:
+        config = ClusterConfig(
+            replicas=args.replicas,
+            engine=EngineConfig.from_args(args, threads=1),
+            server=server_cli.server_config(args),
+            router=args.router,
+            balance_threshold=args.balance_threshold,
+            max_ongoing_requests=args.max_ongoing_requests,
         )
+    except ValueError as exc:
+        print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2
+    threads = config.threads
+    names = config.server.names
     if args.ray_address is None:
         # A local cluster listens on loopback only: Ray has no authentication of its own
         # before 2.5x's tokens, and anyone who reaches its ports (GCS, raylet, workers,
@@ -120,30 +118,6 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
     from cluster.serve import build_app, stop_hub
 
-    names = args.served_model_name or [server_cli.model_name(args.model)]
-    engine = {
-        **engine_cli.engine_kwargs(args),
-        "page_size": args.page_size,
-        "max_running": args.max_running,
-        "max_batch_tokens": args.max_batch_tokens,
-        "prefix_cache": not args.no_prefix_cache,
-    }
-    config = ClusterConfig(
-        replicas=args.replicas,
-        threads=threads,
-        engine=engine,
-        router=args.router,
-        balance_threshold=args.balance_threshold,
-        max_ongoing_requests=args.max_ongoing_requests,
-        model=args.model,
-        server={
-            "model_name": names[0],
-            "extra_model_names": names[1:],
-            "api_key": args.api_key,
-            "max_queued": args.max_queued,
-            **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
-        },
-    )
     started = time.perf_counter()
     # A stop may come at any moment, start-up included (Ray's processes are already running
     # by the time /health first answers): from here on it unwinds through the cleanup below.
@@ -185,12 +159,12 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = engine_cli.build_parser(add_serve).parse_args(argv)
+    args = build_parser(add_serve).parse_args(argv)
     if args.command == "serve":
         if args.replicas is not None:
             return serve_replicas(args)
         return server_cli.serve(args)
-    return engine_cli.run(args)
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The front end's stand-in for an Engine: the OpenAI app runs on it unchanged, and every
 request goes, as token ids, to whichever engine replica the router picks.
 
-Tokenizing and validating happen here, once (the replicas take ids and trust nothing else
-about them, but re-check the cheap bounds); the ``EngineCall`` carries the ids, the
+Tokenizing and validating happen here, once, with the engine's own ``PromptPreparer``: the
+``EngineCall`` carries the checked ``PromptIds`` (which a replica's ``submit`` takes without
+encoding or checking them again; it checks only that the request fits its own pool), the
 sampling parameters and the namespace, which is all a router needs to hash the prompt. The
 reply streams back as the engine's own events (``Delta`` ..., then the ``RequestOutput``),
 fed into an ordinary ``RequestHandle`` so the app cannot tell the difference.
@@ -19,20 +20,26 @@ from typing import Any
 
 import msgspec
 
-from engine.model.loader import ModelFront
-from engine.serving.errors import EngineDeadError
-from engine.serving.handle import Delta, Done, Failed, RequestHandle
-from engine.serving.outputs import RequestOutput
-from engine.serving.prompts import encode_one, prepare_prompts
-from engine.serving.stats import EngineStats
-from scheduler import SamplingParams
+from engine import (
+    Delta,
+    Done,
+    EngineDeadError,
+    EngineStats,
+    Failed,
+    ModelFront,
+    PromptIds,
+    PromptPreparer,
+    RequestHandle,
+    RequestOutput,
+    SamplingParams,
+)
 
 
 class EngineCall(msgspec.Struct, frozen=True):
     """One request as a replica receives it. ``prompt`` is the prompt's text, for routers
     that match text (Ray Serve LLM's ``PrefixCacheAffinityRouter`` reads ``.prompt``)."""
 
-    token_ids: list[int]
+    token_ids: PromptIds
     params: Any  # SamplingParams (a dataclass: pickled by Ray as is)
     namespace: str | None
     stream: bool
@@ -46,7 +53,8 @@ log = logging.getLogger("radixkv.cluster")
 
 
 class RemoteEngine:
-    """Engine-shaped front for replicas behind a router: what ``server.app`` calls."""
+    """An ``EngineClient`` for replicas behind a router: what the server calls with
+    ``--replicas``."""
 
     def __init__(
         self,
@@ -56,6 +64,9 @@ class RemoteEngine:
         stats: Callable[[], EngineStats | None] = lambda: None,
     ) -> None:
         self._front = front
+        self._prompts = PromptPreparer(
+            front.tokenizer, front.config.vocab_size, int(front.config.max_position_embeddings)
+        )
         self._stream = stream
         self._pool_tokens = pool_tokens
         self._stats = stats
@@ -79,8 +90,8 @@ class RemoteEngine:
     def alive(self) -> bool:
         return not self._closed
 
-    def encode(self, prompt: Any, field: str = "prompt") -> list[int]:
-        return encode_one(self.tokenizer, prompt, self._front.config.vocab_size, field)
+    def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
+        return self._prompts.encode(prompt, field)
 
     def submit(
         self,
@@ -93,12 +104,9 @@ class RemoteEngine:
         remote request."""
         pool = self._pool_tokens()  # None until a replica reported (the context bounds it)
         pool = pool if pool is not None else self.max_context
-        [(ids, p)] = prepare_prompts(
-            self.tokenizer, self._front.config.vocab_size, self.max_context, pool,
-            prompt, params, namespace, single=True,
-        )
+        [(ids, p)] = self._prompts.prepare(prompt, params, namespace, pool, single=True)
         text = self.tokenizer.decode(ids)
-        call = EngineCall(ids, p, namespace, stream, text)
+        call = EngineCall(PromptIds(ids), p, namespace, stream, text)
         request_id = next(self._ids)
         handle = RequestHandle(request_id, self._abort)
         task = asyncio.get_running_loop().create_task(self._pump(call, handle))
@@ -137,7 +145,7 @@ class RemoteEngine:
 
     def stats(self) -> EngineStats:
         """The replicas' stats added up (as of their last report), or zeros before any."""
-        return self._stats() or ZERO_STATS
+        return self._stats() or EngineStats.zero()
 
     def close(self) -> None:
         self._closed = True
@@ -166,46 +174,3 @@ def _unwrap(exc: BaseException) -> BaseException:
         with contextlib.suppress(Exception):
             return as_cause()
     return exc
-
-
-def sum_stats(parts: list[EngineStats]) -> EngineStats | None:
-    """Replicas' stats as one engine's: counters and page figures add up; the hit rate is
-    recomputed; measured per-page costs are averaged over the replicas that have them."""
-    if not parts:
-        return None
-    values: dict[str, Any] = {}
-    for name, first in msgspec.structs.asdict(parts[0]).items():
-        column = [getattr(part, name) for part in parts]
-        if name == "hit_rate":
-            continue
-        if isinstance(first, int):
-            values[name] = sum(column)
-        else:
-            present = [v for v in column if v is not None]
-            values[name] = sum(present) / len(present) if present else None
-    prompt = values["prompt_tokens"]
-    values["hit_rate"] = values["cached_tokens"] / prompt if prompt else 0.0
-    return EngineStats(**values)
-
-
-ZERO_STATS = EngineStats(
-    requests=0,
-    finished=0,
-    aborted=0,
-    prompt_tokens=0,
-    cached_tokens=0,
-    cached_tokens_host=0,
-    cached_tokens_disk=0,
-    computed_prefill_tokens=0,
-    generated_tokens=0,
-    evicted_pages=0,
-    preemptions=0,
-    failed=0,
-    hit_rate=0.0,
-    pages_total=0,
-    pages_free=0,
-    pages_cached=0,
-    pages_in_use=0,
-    requests_running=0,
-    requests_waiting=0,
-)

@@ -21,7 +21,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -32,7 +31,8 @@ from cluster.events import KVEventBatch, KVEventPublisher
 from cluster.hub import EventHub
 from cluster.index import KVIndex
 from cluster.policy import CacheAware, RouteRequest
-from cluster.remote import EngineCall, RemoteEngine, sum_stats
+from cluster.remote import EngineCall, RemoteEngine
+from engine import EngineConfig, EngineStats, abort_on_exit
 
 log = logging.getLogger("radixkv.cluster")
 
@@ -76,13 +76,14 @@ def _hub(name: str) -> Any:
 class EngineReplica:
     """One Engine; streams each ``EngineCall``'s events back and publishes its KV events."""
 
-    def __init__(self, engine: dict[str, Any], threads: int, hub_name: str) -> None:
+    def __init__(self, config: EngineConfig, hub_name: str) -> None:
         import torch
 
         from engine import Engine
 
-        torch.set_num_threads(threads)  # Ray sets OMP threads from the CPU share; be explicit
-        self.engine = Engine(**engine, threads=threads)
+        # Ray sets OMP threads from the CPU share; be explicit
+        torch.set_num_threads(config.threads or 1)
+        self.engine = Engine(config)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.publisher = KVEventPublisher(self.name)
         self.engine.subscribe_kv(self.publisher.on_event)
@@ -99,12 +100,9 @@ class EngineReplica:
         """The engine's events for ``call``: ``Delta``s (when streaming), then the output.
         A cancelled stream (the client left) aborts the request."""
         handle = self.engine.submit(call.token_ids, call.params, call.namespace, call.stream)
-        try:
+        with abort_on_exit([handle]):
             async for item in handle.events():
                 yield item
-        finally:
-            if not handle.finished:
-                handle.abort()
 
     def _publish_forever(self, interval_s: float = 0.02, stats_every_s: float = 0.5) -> None:
         last_stats = 0.0
@@ -150,24 +148,17 @@ class EngineReplica:
 class OpenAIFront:
     """The OpenAI app over a ``RemoteEngine``: requests go out as token ids."""
 
-    def __init__(
-        self,
-        replicas: Any,
-        model: str | None,
-        server: dict[str, Any],
-        hub_name: str,
-        page_size: int,
-    ) -> None:
-        from engine.model.loader import load_front
+    def __init__(self, replicas: Any, config: ClusterConfig) -> None:
+        from engine import load_front
 
         self._replicas = replicas
-        self._hub = _hub(hub_name)
-        self._page_size = page_size
+        self._hub = _hub(config.hub_name)
+        self._page_size = config.engine.page_size
         self._stats: dict[str, Any] = {}
         self.engine = RemoteEngine(
-            load_front(model), self._call, self._pool_tokens, self._summed_stats
+            load_front(config.engine.model), self._call, self._pool_tokens, self._summed_stats
         )
-        self._server = server  # ServerConfig keyword arguments
+        self._server = config.server
         threading.Thread(target=self._watch_stats, name="radixkv-stats", daemon=True).start()
 
     def _call(self, call: EngineCall) -> Any:
@@ -183,25 +174,25 @@ class OpenAIFront:
 
     def _pool_tokens(self) -> int | None:
         """The smallest replica's KV pool in tokens (None until one has reported)."""
-        pools = [s.pages_total * self._page_size for s in self._stats.values()]
+        pools = [s.pages.total * self._page_size for s in self._stats.values()]
         return min(pools) if pools else None
 
     def _summed_stats(self) -> Any:
-        return sum_stats(list(self._stats.values()))
+        return EngineStats.total(list(self._stats.values())) if self._stats else None
 
     def __serve_build_asgi_app__(self) -> Any:
         from starlette.requests import Request
         from starlette.responses import JSONResponse
         from starlette.routing import Route
 
-        from server.app import ServerConfig, create_app
+        from server import create_app
 
-        app = create_app(self.engine, ServerConfig(**self._server))
+        app = create_app(self.engine, self._server)
 
         async def replicas(request: Request) -> JSONResponse:
             """Per-replica engine stats (requests, hit rate, load): what the bench reads."""
             return JSONResponse(
-                {name: msgspec.structs.asdict(s) for name, s in sorted(self._stats.items())}
+                {name: s.to_dict() for name, s in sorted(self._stats.items())}
             )
 
         app.router.routes.insert(0, Route("/v1/replicas", replicas, methods=["GET"]))
@@ -304,7 +295,7 @@ def router_config(config: ClusterConfig) -> RequestRouterConfig:
             request_router_class=CacheAwareRequestRouter,
             request_router_kwargs={
                 "hub_name": config.hub_name,
-                "page_size": int(config.engine.get("page_size", 16)),
+                "page_size": config.engine.page_size,
                 "balance_threshold": config.balance_threshold,
             },
         )
@@ -314,13 +305,11 @@ def router_config(config: ClusterConfig) -> RequestRouterConfig:
 def build_app(config: ClusterConfig) -> Any:
     """The Serve application: the front end bound to ``config.replicas`` engine replicas.
     Call after ``ray.init`` (the hub actor is started here)."""
-    config.check()
     start_hub(config.hub_name)
     replicas = EngineReplica.options(
         num_replicas=config.replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.threads},
         request_router_config=router_config(config),
-    ).bind({**config.engine, "model": config.model}, config.threads, config.hub_name)
-    page_size = int(config.engine.get("page_size", 16))
-    return OpenAIFront.bind(replicas, config.model, config.server, config.hub_name, page_size)
+    ).bind(config.engine, config.hub_name)
+    return OpenAIFront.bind(replicas, config)

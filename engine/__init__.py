@@ -4,8 +4,11 @@
     with Engine() as engine:
         [out] = engine.generate("Hello", SamplingParams(max_new_tokens=32, temperature=0.0))
 
-The public names load on first access, so importing a submodule (``engine.model.loader``,
-``engine.model.runner``) does not pull in the scheduler and the engine loop.
+This package's names are the only way ``server``, ``cluster`` and ``workloads`` reach the
+engine (``tests/test_layering.py`` holds them to it). They load on first access, so importing a
+submodule (``engine.model.loader``, ``engine.model.runner``) does not pull in the scheduler
+and the engine loop, and ``from engine import load_front`` does not load torch's model code
+beyond what the front needs.
 """
 
 from __future__ import annotations
@@ -14,33 +17,98 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.serving.chat import ChatSession
+    from engine.client import EngineClient, PromptIds
+    from engine.config import EngineConfig
+    from engine.model.kv_pool import KVPool
+    from engine.model.loader import (
+        LoadedModel,
+        ModelFront,
+        bundled_gguf_path,
+        checkpoint_dir,
+        load_front,
+        load_hf_reference,
+        load_model,
+    )
+    from engine.model.machine import cache_root
+    from engine.model.sampler import TokenLogprob
+    from engine.serving.chat import ChatSession, continue_tokens
+    from engine.serving.cli import build_parser, engine_options, run_command
     from engine.serving.engine import Engine
-    from engine.serving.errors import EngineDeadError
-    from engine.serving.handle import RequestHandle
+    from engine.serving.errors import ContextLengthError, EngineDeadError
+    from engine.serving.handle import Delta, Done, Failed, RequestHandle, abort_on_exit
     from engine.serving.outputs import RequestOutput
+    from engine.serving.prompts import PromptPreparer
     from engine.serving.stats import EngineStats
     from scheduler import SamplingParams
 
+_HOMES = {
+    # the API
+    "Engine": "engine.serving.engine",
+    "EngineConfig": "engine.config",
+    "EngineClient": "engine.client",
+    "PromptIds": "engine.client",
+    "SamplingParams": "scheduler.params",
+    "RequestOutput": "engine.serving.outputs",
+    "TokenLogprob": "engine.model.sampler",
+    "RequestHandle": "engine.serving.handle",
+    "Delta": "engine.serving.handle",
+    "Done": "engine.serving.handle",
+    "Failed": "engine.serving.handle",
+    "abort_on_exit": "engine.serving.handle",
+    "EngineDeadError": "engine.serving.errors",
+    "ContextLengthError": "engine.serving.errors",
+    "EngineStats": "engine.serving.stats",
+    "PromptPreparer": "engine.serving.prompts",
+    "ChatSession": "engine.serving.chat",
+    "continue_tokens": "engine.serving.chat",
+    # the commands (radixkv chat / generate; serve builds on them)
+    "build_parser": "engine.serving.cli",
+    "engine_options": "engine.serving.cli",
+    "run_command": "engine.serving.cli",
+    # models and the machine, for front ends and benchmarks
+    "LoadedModel": "engine.model.loader",
+    "ModelFront": "engine.model.loader",
+    "load_model": "engine.model.loader",
+    "load_front": "engine.model.loader",
+    "load_hf_reference": "engine.model.loader",
+    "bundled_gguf_path": "engine.model.loader",
+    "checkpoint_dir": "engine.model.loader",
+    "KVPool": "engine.model.kv_pool",
+    "cache_root": "engine.model.machine",
+}
+
 __all__ = [
+    "abort_on_exit",
+    "PromptPreparer",
+    "build_parser",
+    "engine_options",
+    "run_command",
+    "ContextLengthError",
     "ChatSession",
+    "Delta",
+    "Done",
     "Engine",
+    "EngineClient",
+    "EngineConfig",
     "EngineDeadError",
     "EngineStats",
+    "Failed",
+    "KVPool",
+    "LoadedModel",
+    "ModelFront",
+    "PromptIds",
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",
+    "TokenLogprob",
+    "bundled_gguf_path",
+    "cache_root",
+    "checkpoint_dir",
+    "continue_tokens",
+    "load_front",
+    "load_hf_reference",
+    "load_model",
 ]
-
-_HOMES = {
-    "ChatSession": "engine.serving.chat",
-    "Engine": "engine.serving.engine",
-    "EngineDeadError": "engine.serving.errors",
-    "EngineStats": "engine.serving.stats",
-    "RequestHandle": "engine.serving.handle",
-    "RequestOutput": "engine.serving.outputs",
-    "SamplingParams": "scheduler.params",
-}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,20 +1,19 @@
-"""radix: KV memory management for radixkv (pure Python, no torch).
+"""radix: KV memory management for radixkv (pure Python, no torch, no model).
 
-KVManager owns a pool's pages: the prefix tree and the free list, and one CacheHandle per
-running request. Under it, RadixCache maps page-aligned token prefixes to KV page ids,
-PageAllocator hands out page ids, page_hashes gives the content address chain of a token
-sequence without a tree. The tree and the allocator by hand:
+A paged KV pool is shared between requests by prefix: a radix tree of token ids maps every
+cached page-aligned prefix onto the pool pages holding its KV, so a prompt that starts the way
+an earlier one did reuses those pages instead of computing them again. Page ids are plain
+ints; the tensors live with the engine.
 
-    cache, allocator = RadixCache(page_size=16), PageAllocator(num_pages=4096)
-    match = cache.match_prefix(prompt)            # cached pages of the longest prefix
-    cache.lock(match.node)                        # nothing on that path is evicted now
-    miss = len(prompt) // 16 - len(match.pages)
-    if allocator.num_free < miss:                 # make room: LRU unlocked pages go first
-        allocator.free(cache.evict(miss - allocator.num_free))
-    new = allocator.alloc(miss)                   # None if locked pages fill the pool
-    cached = cache.insert(prompt, match.pages + new)   # tokens that were cached already
-    allocator.free(new[: cached // 16 - len(match.pages)])  # duplicates of the tree's pages
-    cache.unlock(match.node)
+``KVManager`` is the one way in. It owns the tree (``RadixCache``), the free list
+(``PageAllocator``) and the KV tiers below the pool (``radix.tiers``), and gives each running
+request one ``CacheHandle``: ``match`` (the cached prefix, nothing locked), ``acquire`` (it, locked),
+``allocate``, ``cache``, ``release``, ``load`` (pages back from host memory or disk). Every page
+is always in exactly one place (``KVManager.check``); whoever must follow the tree without
+walking it subscribes to its ``PagesStored`` / ``PagesEvicted`` events. The tree and the
+allocator are exported for reading and for their own tests: changing them by hand would bypass
+that accounting. ``page_hashes`` gives a token sequence's content addresses without a tree
+(what a router computes).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from radix.manager import (
     PagesEvicted,
     PagesStored,
     PageStats,
-    TieredMatch,
     TierLoad,
 )
 from radix.node import Node, PrefixInsert, PrefixMatch
@@ -47,6 +45,5 @@ __all__ = [
     "PrefixMatch",
     "RadixCache",
     "TierLoad",
-    "TieredMatch",
     "page_hashes",
 ]

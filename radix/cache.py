@@ -8,6 +8,7 @@ import numpy as np
 from sortedcontainers import SortedDict
 
 from radix.hashing import namespace_seed
+from radix.invariants import check_tree
 from radix.node import Node, PrefixInsert, PrefixMatch
 from radix.tiers.record import EvictedPage
 from radix.tokens import TOKEN_BYTES, TOKEN_DTYPE, encode_tokens
@@ -101,35 +102,6 @@ class RadixCache:
         if path:
             self._touch(path)
         return PrefixMatch(pos // TOKEN_BYTES, pages, node)
-
-    def match_length(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None) -> int:
-        """How many leading tokens of ``tokens`` are cached, without changing anything.
-
-        A read-only probe (no split, no LRU refresh) for schedulers that rank many waiting
-        requests; use ``match_prefix`` to get the pages.
-        """
-        buf = encode_tokens(tokens)
-        root = self._roots.get(namespace)
-        if root is None:
-            namespace_seed(namespace)  # validates the namespace's type
-            return 0
-        end = len(buf) - len(buf) % self._page_bytes
-        page_bytes = self._page_bytes
-        node = root
-        pos = 0
-        while pos < end:
-            child = node.children.get(buf[pos : pos + page_bytes])
-            if child is None:
-                break
-            key = child.key
-            if buf.startswith(key, pos):
-                pos += len(key)
-                node = child
-                continue
-            matched = self._common_prefix_bytes(buf, pos, end, key)
-            pos += matched - matched % page_bytes
-            break
-        return pos // TOKEN_BYTES
 
     def insert(
         self,
@@ -437,7 +409,24 @@ class RadixCache:
     # ----------------------------------------------------------------- checks
 
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the first broken invariant of the tree."""
-        from radix.invariants import check_cache
+        """Raise AssertionError naming the first broken invariant of the tree.
 
-        check_cache(self)
+        ``check_tree`` walks the nodes and counts what they hold; the counters and the LRU
+        index kept here as the tree changes must agree with that count.
+        """
+        count = check_tree(self._roots, self._page_bytes, self._clock)
+        assert count.evictable_pages == self._evictable, (
+            f"evictable_pages {self._evictable} != {count.evictable_pages} counted in the tree"
+        )
+        assert count.protected_pages == self._protected, (
+            f"protected_pages {self._protected} != {count.protected_pages} counted in the tree"
+        )
+        assert count.num_nodes == self._num_nodes, (
+            f"num_nodes {self._num_nodes} != {count.num_nodes} nodes in the tree"
+        )
+        leaves = count.evictable_leaves
+        assert len(self._lru) == len(leaves), (
+            f"LRU index holds {len(self._lru)} leaves, the tree has {len(leaves)}"
+        )
+        for key, node in self._lru.items():
+            assert leaves.get(key) is node, f"LRU index entry {key} is stale"

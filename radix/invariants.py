@@ -1,25 +1,38 @@
-"""A full consistency check of a RadixCache, for tests and debugging (walks the whole tree)."""
+"""A full walk of a radix tree's nodes, checking each against its neighbours (for tests and
+debugging: it visits every node).
+
+It sees only nodes, never the cache that owns them: it checks what each node must agree with
+(its parent, its children, its pages, its hashes, the clock) and returns what it counted, which
+``RadixCache.check_invariants`` compares with the counters and the LRU index it keeps.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from radix.hashing import chain_hashes, namespace_seed
-
-if TYPE_CHECKING:
-    from radix.cache import RadixCache
-    from radix.node import Node
+from radix.node import Node
 
 
-def check_cache(cache: RadixCache) -> None:
-    """Raise AssertionError with a message naming the first broken invariant."""
-    page_bytes = cache._page_bytes
+@dataclass(slots=True)
+class TreeCount:
+    """What the nodes hold: pages no lock protects, pages on a locked path, non-root nodes,
+    and the evictable leaves (unlocked, childless) by their ``last_access``."""
+
+    evictable_pages: int = 0
+    protected_pages: int = 0
+    num_nodes: int = 0
+    evictable_leaves: dict[int, Node] = field(default_factory=dict)
+
+
+def check_tree(roots: Mapping[str | None, Node], page_bytes: int, clock: int) -> TreeCount:
+    """Walk every namespace's tree under ``roots`` (pages of ``page_bytes`` token bytes, no
+    node newer than ``clock``); raise AssertionError naming the first broken invariant."""
+    count = TreeCount()
     seen_pages: set[int] = set()
-    evictable = protected = 0
-    evictable_leaves: dict[int, Node] = {}
     clock_values: set[int] = set()
-    num_nodes = 0
-    for namespace, root in cache._roots.items():
+    for namespace, root in roots.items():
         assert root.parent is None and not root.key and not root.pages, "root holds tokens"
         assert root.namespace == namespace, "root filed under the wrong namespace"
         assert not root.in_lru, "a root is in the LRU index"
@@ -46,15 +59,15 @@ def check_cache(cache: RadixCache) -> None:
             )
             if node is root:
                 continue
-            num_nodes += 1
+            count.num_nodes += 1
             for page in node.pages:
                 assert page not in seen_pages, f"page {page} appears in two nodes"
                 seen_pages.add(page)
             if node.lock_ref == 0:
-                evictable += len(node.pages)
+                count.evictable_pages += len(node.pages)
             else:
-                protected += len(node.pages)
-            assert node.last_access <= cache._clock, "a node's time is ahead of the clock"
+                count.protected_pages += len(node.pages)
+            assert node.last_access <= clock, "a node's time is ahead of the clock"
             assert node.last_access not in clock_values, "two nodes share one clock value"
             clock_values.add(node.last_access)
             is_evictable_leaf = not node.children and node.lock_ref == 0
@@ -62,18 +75,5 @@ def check_cache(cache: RadixCache) -> None:
                 f"node in LRU index = {node.in_lru}, but evictable leaf = {is_evictable_leaf}"
             )
             if is_evictable_leaf:
-                evictable_leaves[node.last_access] = node
-    assert evictable == cache._evictable, (
-        f"evictable_pages {cache._evictable} != {evictable} counted in the tree"
-    )
-    assert protected == cache._protected, (
-        f"protected_pages {cache._protected} != {protected} counted in the tree"
-    )
-    assert num_nodes == cache._num_nodes, (
-        f"num_nodes {cache._num_nodes} != {num_nodes} nodes in the tree"
-    )
-    assert len(cache._lru) == len(evictable_leaves), (
-        f"LRU index holds {len(cache._lru)} leaves, the tree has {len(evictable_leaves)}"
-    )
-    for key, node in cache._lru.items():
-        assert evictable_leaves.get(key) is node, f"LRU index entry {key} is stale"
+                count.evictable_leaves[node.last_access] = node
+    return count

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from radix.allocator import PageAllocator
 from radix.cache import RadixCache
-from radix.hashing import namespace_seed, page_hashes
 from radix.node import Node, PrefixMatch
 from radix.tiers import EvictedPage, KVTiers, Tier, TierHit, TierStats
 from radix.tokens import TOKEN_BYTES, encode_tokens
@@ -63,20 +62,6 @@ class PagesEvicted:
 
 
 KVEvent = PagesStored | PagesEvicted
-
-
-@dataclass(frozen=True, slots=True)
-class TieredMatch:
-    """Where a prompt's cached prefix lives: ``pool`` tokens in the KV pool, then ``host``
-    and ``disk`` tokens below it that a load would bring back (read-only: nothing moved)."""
-
-    pool: int
-    host: int
-    disk: int
-
-    @property
-    def total(self) -> int:
-        return self.pool + self.host + self.disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,20 +251,6 @@ class KVManager:
             )
         return handle
 
-    def lookup(self, tokens: Sequence[int], namespace: str | None = None) -> TieredMatch:
-        """How many leading whole pages of ``tokens`` are in the pool, and how many follow
-        them below it (host, then disk, in prompt order; only those worth loading)."""
-        pool = self._tree.match_length(tokens, namespace)
-        if self._tiers is None:
-            return TieredMatch(pool, 0, 0)
-        host = disk = 0
-        for hit in self._below(tokens, namespace, pool):
-            if hit.tier is Tier.HOST:
-                host += self._page_size
-            else:
-                disk += self._page_size
-        return TieredMatch(pool, host, disk)
-
     def load(self, handle: CacheHandle, tokens: Sequence[int]) -> TierLoad:
         """Extend a fresh handle's cached prefix with the pages of ``tokens`` found below the
         pool: fresh pool pages (evicting if need be), the KV copied in, the pages into the
@@ -289,7 +260,7 @@ class KVManager:
         if tiers is None or len(handle.pages) * p != handle.cached_len:
             return NO_LOAD
         start = handle.cached_len
-        hits = self._below(tokens, handle.namespace, start, handle.node.hash)
+        hits = self._below(tokens, start, handle.node.hash)
         if not hits:
             return NO_LOAD
         fetched = tiers.fetch(hits)
@@ -301,17 +272,15 @@ class KVManager:
         host = p * sum(1 for page in fetched if page.tier is Tier.HOST)
         return TierLoad(host=host, disk=end - start - host)
 
-    def _below(
-        self, tokens: Sequence[int], namespace: str | None, start: int, seed: int | None = None
-    ) -> list[TierHit]:
+    def _below(self, tokens: Sequence[int], start: int, seed: int) -> list[TierHit]:
+        """The whole pages of ``tokens`` after the first ``start`` found below the pool, in
+        order; ``seed`` is the content address of the prefix they continue (the handle's
+        node's hash), so the chain goes on from the tree without hashing the prefix again."""
         assert self._tiers is not None
         p = self._page_size
         end = len(tokens) - len(tokens) % p
         if start >= end:
             return []
-        if seed is None:  # read-only: the chain of the pool's part, not a tree walk
-            chain = page_hashes(tokens[:start], p, namespace)
-            seed = chain[-1] if chain else namespace_seed(namespace)
         return self._tiers.lookup(seed, encode_tokens(tokens[start:end]), p * TOKEN_BYTES)
 
     def observe_compute(self, tokens: int, seconds: float) -> None:

@@ -52,6 +52,9 @@ class BatchEntry:
 
     @property
     def is_decode(self) -> bool:
+        """This entry feeds back the token sampled last step: a decode step of the request
+        (it computes no prompt token). A prompt's one-token last prefill chunk is not one,
+        though it has a decode's shape (``ForwardBatch.decode_shaped``, what kernels go by)."""
         return len(self.input_ids) == 1 and self.start_pos > 0 and bool(self.request.output)
 
 

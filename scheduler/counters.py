@@ -35,4 +35,10 @@ class SchedulerCounters:
 
     @property
     def hit_rate(self) -> float:
+        """The one place the hit rate is derived."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def cached_tokens_pool(self) -> int:
+        """Prompt tokens served from the pool's tree (the rest of cached_tokens was loaded)."""
+        return self.cached_tokens - self.cached_tokens_host - self.cached_tokens_disk

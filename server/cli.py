@@ -16,7 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.serving import cli as engine_cli
+from engine import EngineConfig, build_parser, engine_options, run_command
+from server.config import ServerConfig
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
@@ -24,7 +25,7 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 def add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve",
-        parents=[engine_cli.engine_options()],
+        parents=[engine_options()],
         help="serve the OpenAI API (/v1/chat/completions, /v1/completions, ...) over HTTP",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -62,19 +63,6 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         metavar="S",
         help="on SIGTERM/SIGINT, let requests in flight finish for S seconds (default 30)",
     )
-    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
-    serve.add_argument(
-        "--max-running", type=int, default=None, help="requests running at once (default: auto)"
-    )
-    serve.add_argument(
-        "--max-batch-tokens", type=int, default=None, help="tokens per step (default: auto)"
-    )
-    serve.add_argument(
-        "--threads", type=int, default=None, help="CPU threads for prefill (default: all cores)"
-    )
-    serve.add_argument(
-        "--no-prefix-cache", action="store_true", help="reuse nothing across requests (baseline)"
-    )
     serve.add_argument(
         "--log-level",
         default="info",
@@ -90,46 +78,49 @@ def model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from engine import Engine
-    from server.app import ServerConfig, create_app
-    from server.shutdown import ENDING_S, DrainingServer
-
-    for flag, value, low in (
-        ("--max-queued", args.max_queued, 1),
-        ("--max-body-bytes", args.max_body_bytes, 1),
-        ("--port", args.port, 0),
-    ):
-        if value is not None and value < low:
-            print(f"radixkv: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
-            return 2
-    if args.grace_period < 0:
-        print("radixkv: error: --grace-period must be >= 0", file=sys.stderr)
-        return 2
-    started = time.perf_counter()
-    print("radixkv: loading model ...", file=sys.stderr, flush=True)
-    try:
-        engine = Engine(
-            **engine_cli.engine_kwargs(args),
-            page_size=args.page_size,
-            max_running=args.max_running,
-            max_batch_tokens=args.max_batch_tokens,
-            threads=args.threads,
-            prefix_cache=not args.no_prefix_cache,
-        )
-    except ValueError as exc:
-        print(f"radixkv: error: {exc}", file=sys.stderr)
-        return 2
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ``ServerConfig`` of ``serve``'s flags (it checks itself: ValueError names the
+    field)."""
     names = args.served_model_name or [model_name(args.model)]
-    config = ServerConfig(
+    return ServerConfig(
         model_name=names[0],
         extra_model_names=names[1:],
         api_key=args.api_key,
         max_queued=args.max_queued,
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
+
+
+def check_process_flags(args: argparse.Namespace) -> None:
+    """What only the serving process reads (no config holds these)."""
+    if args.port < 0:
+        raise ValueError(f"--port: must be >= 0, got {args.port}")
+    if args.grace_period < 0:
+        raise ValueError(f"--grace-period: must be >= 0, got {args.grace_period}")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine import Engine
+    from server.app import create_app
+    from server.shutdown import ENDING_S, DrainingServer
+
+    try:
+        check_process_flags(args)
+        engine_config = EngineConfig.from_args(args)
+        config = server_config(args)
+    except ValueError as exc:
+        print(f"radixkv: error: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    print("radixkv: loading model ...", file=sys.stderr, flush=True)
+    try:
+        engine = Engine(engine_config)
+    except ValueError as exc:
+        print(f"radixkv: error: {exc}", file=sys.stderr)
+        return 2
+    names = config.names
     app = create_app(engine, config)
     print(
         f"radixkv: {names[0]} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
@@ -163,10 +154,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = engine_cli.build_parser(add_serve).parse_args(argv)
+    args = build_parser(add_serve).parse_args(argv)
     if args.command == "serve":
         return serve(args)
-    return engine_cli.run(args)
+    return run_command(args)
 
 
 if __name__ == "__main__":

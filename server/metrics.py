@@ -1,7 +1,7 @@
 """Prometheus metrics, named in vLLM's style so existing dashboards port.
 
 The engine's counters (prefix-cache queries and hits, tokens, preemptions, evicted pages) and
-gauges (requests, pages) are read from ``Engine.stats()`` at scrape time, so they are exactly
+gauges (requests, pages) are read from ``EngineClient.stats()`` at scrape time, so they are exactly
 the engine's own figures: a prompt's tokens and its cached part are counted once, when the
 request is first admitted, however often it waited or was preempted and recomputed.
 Per-request figures (latency histograms, finish reasons, rejections) are observed by the
@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import Engine, EngineStats, RequestOutput
+from engine import EngineClient, EngineStats, RequestOutput
 
 PREFIX = "radixkv:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -37,32 +37,33 @@ _ITL_BUCKETS = (
 class EngineCollector(Collector):
     """The engine's counters and gauges, read at scrape time."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self._engine = engine
         self._labels = {"model_name": model_name}
 
     def collect(self) -> Iterator[Metric]:
         s = self._engine.stats()
+        c, pages = s.counters, s.pages
         counters = (
             (
                 "prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
-                s.prompt_tokens,
+                c.prompt_tokens,
             ),
-            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.cached_tokens),
-            ("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", c.cached_tokens),
+            ("prompt_tokens", "Prompt tokens of admitted requests.", c.prompt_tokens),
             (
                 "prefill_computed_tokens",
                 "Prefill tokens computed, recomputation after preemption included.",
-                s.computed_prefill_tokens,
+                c.computed_prefill_tokens,
             ),
-            ("generation_tokens", "Tokens generated.", s.generated_tokens),
+            ("generation_tokens", "Tokens generated.", c.generated_tokens),
             (
                 "num_preemptions",
                 "Requests preempted (their KV freed, to be recomputed).",
-                s.preemptions,
+                c.preemptions,
             ),
-            ("evicted_pages", "KV pages evicted from the prefix cache.", s.evicted_pages),
+            ("evicted_pages", "KV pages evicted from the prefix cache.", c.evicted_pages),
             ("request_failures", "Requests that failed with an error.", s.failed),
         )
         gauges = (
@@ -72,14 +73,14 @@ class EngineCollector(Collector):
                 s.requests_running,
             ),
             ("num_requests_waiting", "Requests waiting to be admitted.", s.requests_waiting),
-            ("kv_pages_total", "KV pages in the pool.", s.pages_total),
-            ("kv_pages_free", "KV pages on the free list.", s.pages_free),
-            ("kv_pages_cached", "KV pages held by the prefix cache.", s.pages_cached),
-            ("kv_pages_in_use", "KV pages private to running requests.", s.pages_in_use),
+            ("kv_pages_total", "KV pages in the pool.", pages.total),
+            ("kv_pages_free", "KV pages on the free list.", pages.free),
+            ("kv_pages_cached", "KV pages held by the prefix cache.", pages.cached),
+            ("kv_pages_in_use", "KV pages private to running requests.", pages.private),
             (
                 "kv_cache_usage_perc",
                 "Share of KV pages not free (0-1).",
-                1 - s.pages_free / s.pages_total if s.pages_total else 0.0,
+                1 - pages.free / pages.total if pages.total else 0.0,
             ),
             ("engine_alive", "1 while the engine loop runs.", int(self._engine.alive)),
         )
@@ -94,27 +95,28 @@ class EngineCollector(Collector):
         """Hits by where they came from (SGLang's ``cached_tokens_total{cache_source}``) and
         the KV tiers' traffic and contents, labelled by tier."""
         names, values = list(self._labels), list(self._labels.values())
+        c, t = s.counters, s.tiers
         by_source = CounterMetricFamily(
             PREFIX + "cached_tokens",
             "Prompt tokens served from the cache, by where their KV was: pool, host, disk.",
             labels=[*names, "cache_source"],
         )
         for source, count in (
-            ("pool", s.cached_tokens_pool),
-            ("host", s.cached_tokens_host),
-            ("disk", s.cached_tokens_disk),
+            ("pool", c.cached_tokens_pool),
+            ("host", c.cached_tokens_host),
+            ("disk", c.cached_tokens_disk),
         ):
             by_source.add_metric([*values, source], count)
         yield by_source
         per_tier = (
             (CounterMetricFamily, "kv_tier_pages_written", "KV pages written down to a tier.",
-             s.kv_pages_written_host, s.kv_pages_written_disk),
+             t.written_host, t.written_disk),
             (CounterMetricFamily, "kv_tier_pages_loaded", "KV pages loaded back from a tier.",
-             s.kv_pages_loaded_host, s.kv_pages_loaded_disk),
+             t.loaded_host, t.loaded_disk),
             (GaugeMetricFamily, "kv_tier_pages", "KV pages a tier holds.",
-             s.kv_host_pages, s.kv_disk_pages),
+             t.host_pages, t.disk_pages),
             (GaugeMetricFamily, "kv_tier_bytes", "Bytes of KV a tier holds.",
-             s.kv_host_bytes, s.kv_disk_bytes),
+             t.host_bytes, t.disk_bytes),
         )
         for kind, name, doc, host, disk in per_tier:
             family = kind(PREFIX + name, doc, labels=[*names, "tier"])
@@ -122,11 +124,11 @@ class EngineCollector(Collector):
             family.add_metric([*values, "disk"], disk)
             yield family
         for name, doc, value in (
-            ("kv_tier_pages_dropped", "KV pages that fell off the lowest tier.", s.kv_pages_dropped),
+            ("kv_tier_pages_dropped", "KV pages that fell off the lowest tier.", t.dropped),
             ("kv_disk_corrupt_files", "Damaged KV page files found (read as misses).",
-             s.kv_disk_corrupt),
+             t.corrupt),
             ("kv_disk_write_errors", "KV page files the disk tier failed to write (full disk).",
-             s.kv_disk_write_errors),
+             t.disk_write_errors),
         ):
             family = CounterMetricFamily(PREFIX + name, doc, labels=names)
             family.add_metric(values, value)
@@ -136,7 +138,7 @@ class EngineCollector(Collector):
 class ServerMetrics:
     """The app's registry: the engine's figures plus what the server observes per request."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineCollector(engine, model_name))
         labels = ["model_name"]

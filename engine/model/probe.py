@@ -9,6 +9,9 @@ prefill shape, and checks that forward for batch invariance (``engine.model.inva
 crash, a timeout, a forward that is not invariant, or one too far from float32 rules that
 dtype out. The result is remembered per machine (CPU model, flags, cores, torch) and version
 of the kernels, in the user's cache directory.
+
+This module is the verdict (run the children, choose, remember); what a child runs is
+``engine.model.probe_child``, which sits above the loader that consults the verdict here.
 """
 
 from __future__ import annotations
@@ -17,25 +20,28 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 
+from engine.model.attention.native import SOURCE as ATTENTION
 from engine.model.machine import cache_root, machine_key
+from engine.model.products import SOURCE as PRODUCTS
 
 DTYPES = ("float32", "bfloat16")
 # bf16 is chosen only when it is at least this much faster (geometric mean of both shapes).
 MIN_SPEEDUP = 1.1
 PROBE_TIMEOUT_S = 300
 SLOW_FACTOR = 3.0  # a dtype this much slower than float32 at decode is not timed further
-DECODE_ROWS, DECODE_CONTEXT, PREFILL_TOKENS = 8, 128, 256
 
+# The child runs the measurement (engine.model.probe_child, which loads the model: it sits
+# above the loader, which asks this module for its "auto" dtype).
 _CHILD = (
-    "import json, engine.model.probe as p; "
-    "print(json.dumps(p.measure_in_process({dtype!r}, {limit_s!r})))"
+    "import json, engine.model.probe_child as c; "
+    "print(json.dumps(c.measure_in_process({dtype!r}, {limit_s!r})))"
 )
 
 
@@ -91,70 +97,9 @@ class ProbeResult:
         return report is not None and report.usable
 
 
-def _time_forward(loaded: object, threads: int) -> tuple[float, float]:
-    """Seconds of one decode step (DECODE_ROWS requests) and one prefill pass."""
-    from engine.model.invariance import runner_for
-    from scheduler import SamplingParams
-    from scheduler.batch import Batch, BatchEntry
-    from scheduler.request import Request
-
-    per = -(-max(DECODE_CONTEXT + 1, PREFILL_TOKENS) // 16)
-    runner = runner_for(loaded, 16, threads, 16 * per * (DECODE_ROWS + 1))  # type: ignore[arg-type]
-    ctx = list(range(2000, 2000 + DECODE_CONTEXT))
-    reqs = [Request(i, ctx, SamplingParams(max_new_tokens=8)) for i in range(DECODE_ROWS)]
-    tables = [list(range(i * per, (i + 1) * per)) for i in range(DECODE_ROWS + 1)]
-    runner.forward(Batch([BatchEntry.on_pages(r, ctx, 0, t, 16) for r, t in zip(reqs, tables)], 16))
-
-    def decode() -> None:
-        step = [BatchEntry.on_pages(r, [7], DECODE_CONTEXT, t, 16) for r, t in zip(reqs, tables)]
-        runner.forward(Batch(step, 16))
-
-    long = list(range(4000, 4000 + PREFILL_TOKENS))
-    prefill_req = Request("p", long, SamplingParams(max_new_tokens=1))
-
-    def prefill() -> None:
-        runner.forward(Batch([BatchEntry.on_pages(prefill_req, long, 0, tables[-1], 16)], 16))
-
-    def best(fn: Callable[[], None], n: int) -> float:
-        fn()
-        times = []
-        for _ in range(n):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(decode, 5), best(prefill, 3)
-
-
-def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, object]:
-    """Time and check the engine's forward in ``dtype`` here (run in a child: it may crash).
-    A decode step slower than ``limit_s`` is not timed further (``prefill_s`` infinite), but
-    its invariance is still checked, so that an explicit ``dtype=`` of it is known exact."""
-    from engine.model import invariance
-    from engine.model.loader import load_model
-
-    loaded = load_model(None, "cpu", dtype)
-    cores = os.cpu_count() or 1
-    decode_s, prefill_s = _time_forward(loaded, cores)
-    if limit_s is not None and decode_s > limit_s:
-        prefill_s = float("inf")
-    reference = None
-    if dtype != "float32":
-        reference = invariance.reference_logits(load_model(None, "cpu", "float32"))
-    report = invariance.check(loaded, reference)
-    return DtypeReport(
-        decode_s,
-        prefill_s,
-        report.invariant,
-        report.max_error,
-        report.failed,
-        invariance.within_tolerance(report, getattr(torch, dtype)),
-    ).to_json()
-
-
 def run_child(dtype: str, limit_s: float | None = None, code: str = _CHILD) -> DtypeReport | None:
-    """``measure_in_process(dtype)`` in a child process; None if it crashes or hangs."""
+    """``probe_child.measure_in_process(dtype)`` in a child process; None if it crashes or
+    hangs."""
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code.format(dtype=dtype, limit_s=limit_s)],
@@ -186,11 +131,6 @@ def choose(reports: dict[str, DtypeReport | None]) -> str:
 
 def kernels_key() -> str:
     """The native kernels' sources: a new version is probed again."""
-    import xxhash
-
-    from engine.model.attention.native import SOURCE as ATTENTION
-    from engine.model.products import SOURCE as PRODUCTS
-
     h = xxhash.xxh64()
     for source in (PRODUCTS, ATTENTION):
         h.update(source.read_bytes())
@@ -219,7 +159,6 @@ def probe(
 ) -> ProbeResult:
     """The remembered probe for this machine, or a new one (seconds) that is then saved."""
     if cache_dir is None:
-
         cache_dir = cache_root() / "probe"
     path = cache_dir / f"{machine_key()}-{kernels_key()}.json"
     try:

@@ -17,14 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.serving.handle import TextStream
+from engine.serving.handle import TextStream, abort_on_exit
 from engine.serving.outputs import RequestOutput
 from engine.serving.prompts import Span, encode_text, encode_with_spans, render_with_spans
 from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.serving.engine import Engine
+    from engine.client import EngineClient
 
 
 def continue_tokens(
@@ -77,7 +77,7 @@ class ChatSession:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineClient,
         system: str | None = None,
         params: SamplingParams | None = None,
         namespace: str | None = None,
@@ -111,17 +111,19 @@ class ChatSession:
         """Sends one user message; returns the assistant's reply text."""
         messages, ids = self._prepare_turn(text)
         handle = self._engine.submit(ids, self._params_for(params), self._namespace)
-        try:
+        with abort_on_exit([handle]):  # interrupted: the turn is dropped
             output = handle.result()
-        finally:
-            handle.abort()  # interrupted: the turn is dropped (a no-op once it ended)
         self._record(messages, ids, output)
         return output.text
 
     def stream(self, text: str, params: SamplingParams | None = None) -> TextStream:
-        """Like ``Engine.stream``: text deltas, then the RequestOutput; closing early aborts."""
+        """Like ``Engine.stream``: text deltas, then the RequestOutput; closing early aborts.
+        The request is submitted on the first ``next()``."""
         messages, ids = self._prepare_turn(text)
-        stream = self._engine.stream(ids, self._params_for(params), self._namespace)
+        params = self._params_for(params)
+        stream = TextStream(
+            lambda: self._engine.submit(ids, params, self._namespace, stream=True)
+        )
         stream.on_output = lambda output: self._record(messages, ids, output)
         return stream
 
@@ -148,7 +150,7 @@ class ChatSession:
         full_text, spans = render_with_spans(tokenizer, messages, "text")
         ids, reused = continue_tokens(tokenizer, self._conversation_ids, full_text, spans)
         self.last_dropped_tokens = len(self._conversation_ids) - reused
-        return messages, ids
+        return messages, self._engine.encode(ids, "text")  # checked here, once
 
     def _record(self, messages: list[dict[str, str]], prompt_ids: list[int],
                 output: RequestOutput) -> None:

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
+from engine.config import EngineConfig
+
 if TYPE_CHECKING:
     from engine import Engine, RequestOutput, SamplingParams
 
@@ -26,62 +28,10 @@ def _version() -> str:
 
 
 def engine_options() -> argparse.ArgumentParser:
-    """The options that build the Engine (shared by every command, ``serve`` too)."""
+    """The flags that build the Engine (``EngineConfig``'s; shared by every command)."""
     options = argparse.ArgumentParser(add_help=False)
-    options.add_argument(
-        "--model", default=None,
-        help="HF Llama-family checkpoint directory or .gguf file (default: bundled SmolLM2-135M)",
-    )
-    options.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    options.add_argument(
-        "--dtype", default=None,
-        help="float32, bfloat16 or float16 (slow on a CPU); default: measured on this machine",
-    )
-    options.add_argument("--num-pages", type=int, default=None, help="KV cache size in pages")
-    options.add_argument(
-        "--kv-host-bytes", type=byte_size, default=None, metavar="SIZE",
-        help="host-memory tier under the KV pool, e.g. 2G (default: off)",
-    )
-    options.add_argument(
-        "--kv-disk-dir", default=None, metavar="DIR",
-        help="disk tier under the KV pool (kept across restarts; default: off)",
-    )
-    options.add_argument(
-        "--kv-disk-bytes", type=byte_size, default=None, metavar="SIZE",
-        help="disk tier budget, e.g. 20G (default: half the free space, at most 16G)",
-    )
+    EngineConfig.add_arguments(options)
     return options
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The Engine arguments of ``engine_options``."""
-    return {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype,
-        "num_pages": args.num_pages,
-        "kv_host_bytes": args.kv_host_bytes,
-        "kv_disk_dir": args.kv_disk_dir,
-        "kv_disk_bytes": args.kv_disk_bytes,
-    }
-
-
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def byte_size(text: str) -> int:
-    """``123``, ``512M``, ``2G``, ``1.5GiB`` -> bytes (powers of 1024)."""
-    value = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = _UNITS.get(value[-1:], 1)
-    if scale > 1:
-        value = value[:-1]
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (must be >= 0)")
-    return int(number * scale)
 
 
 def sampling_options() -> argparse.ArgumentParser:
@@ -140,10 +90,10 @@ def build_parser(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    return run_command(build_parser().parse_args(argv))
 
 
-def run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
     """Runs ``chat`` or ``generate`` with parsed arguments."""
     from engine import Engine, SamplingParams
 
@@ -162,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print("radixkv: loading model ...", file=sys.stderr, flush=True)
     try:
-        engine = Engine(**engine_kwargs(args))
+        engine = Engine(EngineConfig.from_args(args))
     except ValueError as exc:
         print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2
@@ -250,11 +200,12 @@ def run_chat(
             continue
         if text == "/stats":
             stats = engine.stats()
+            c, pages = stats.counters, stats.pages
             print(
-                f"[{stats.requests} requests, hit rate {stats.hit_rate:.1%}, "
-                f"{stats.cached_tokens} cached / {stats.computed_prefill_tokens} computed "
-                f"prompt tokens, pages free {stats.pages_free} cached {stats.pages_cached} "
-                f"of {stats.pages_total}]",
+                f"[{c.requests} requests, hit rate {c.hit_rate:.1%}, "
+                f"{c.cached_tokens} cached / {c.computed_prefill_tokens} computed "
+                f"prompt tokens, pages free {pages.free} cached {pages.cached} "
+                f"of {pages.total}]",
                 file=sys.stderr,
             )
             continue

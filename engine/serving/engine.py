@@ -3,42 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
-import os
-import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.model.attention import BACKENDS
-from engine.model.kv_pool import KVPool
+from engine.client import PromptIds
+from engine.config import EngineConfig
+from engine.model.build import build_pool, build_runner, verified_invariant, warn_if_slow_dtype
 from engine.model.loader import LoadedModel, load_model
-from engine.model.machine import available_memory_bytes, machine_memory_bytes
-from engine.model.runner import ModelRunner
-from engine.model.threads import ThreadPolicy
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.errors import EngineDeadError
-from engine.serving.handle import RequestHandle, TextStream, outputs_or_raise
-from engine.serving.kv_tiers import build_tiers, check_tier_args
+from engine.serving.handle import RequestHandle, TextStream, abort_on_exit, outputs_or_raise
+from engine.serving.kv_tiers import build_tiers
 from engine.serving.loop import EngineLoop, Job
 from engine.serving.outputs import RequestOutput
-from engine.serving.prompts import encode_one, encode_prompt, encode_text, prepare_prompts
+from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text
 from engine.serving.stats import EngineStats
 from engine.serving.validation import check_token_ids
 from radix import KVEvent, KVManager
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import Request, SamplingParams, Scheduler
 
 if TYPE_CHECKING:
     from engine.serving.chat import ChatSession
-
-# Default KV budget on the CPU: 1 GiB (about 23k tokens of SmolLM2-135M in float32), or an
-# eighth of the machine's memory when that is smaller. On CUDA: a share of the free memory
-# after the weights are loaded.
-CPU_KV_BYTES = 1 << 30
-CUDA_KV_FRACTION = 0.7
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 
@@ -51,88 +40,47 @@ class Engine:
     Requests sharing a prefix share its KV: ``RequestOutput.cached_tokens`` says how much of a
     prompt was served from the cache.
 
-    ``model``: None (the bundled SmolLM2-135M-Instruct), a HF Llama-family checkpoint directory
-    or a .gguf file; or (advanced) an already loaded ``engine.model.loader.LoadedModel``, which is
-    then shared, not copied (``device``/``dtype`` are the loaded model's). The KV cache holds
-    ``num_pages`` pages of ``page_size`` tokens, or as many as fit in ``kv_cache_bytes``.
-    ``prefix_cache=False`` reuses nothing across requests (the baseline for benchmarks).
-    Below the pool, evicted pages can go to host memory (``kv_host_bytes``) and to page files
-    in ``kv_disk_dir`` (within ``kv_disk_bytes``; default: half the free space, at most
-    16 GiB); a later prompt with their prefix loads them back instead of recomputing them,
-    and an engine started again on the same directory, model and dtype finds them there
-    (``close()`` writes the pool's pages down first). Off by default.
-    On the CPU, prefill-sized passes run on ``threads`` intra-op threads (None: torch's
-    default, the machine's cores) and decode steps on one, which is faster for their many
-    small ops; the engine sets torch's thread count from its loop thread for each pass.
-    ``batch_invariant=True`` (the default on the CPU) makes every greedy answer independent of
-    the batch it ran in, the cache (hit, miss, partial), prefill chunking, preemption, cascade
-    decode and the page size, in float32 and bfloat16 alike; ``False`` runs the older kernels,
-    which are exact only up to float rounding. ``dtype=None`` picks the faster of float32 and
-    bfloat16 as measured on this CPU (``engine.model.probe``, cached).
-    Further keyword arguments are other ``scheduler.SchedulerConfig`` fields (advanced tuning:
-    ``group_min_tokens``, ``reserve_ratio_init``, ...).
+    Built from an ``EngineConfig`` (``engine.config``: every knob, documented there), with
+    ``overrides`` by plain knob name: ``Engine(page_size=32, num_pages=512)`` or
+    ``Engine(config, dtype="float32")``. ``model`` may also be (advanced) an already loaded
+    ``LoadedModel``, which is then shared, not copied (``device``/``dtype`` are the loaded
+    model's). ``prefix_cache=False`` reuses nothing across requests (the benchmarks'
+    baseline). With ``batch_invariant`` (the CPU's default) every greedy answer is
+    independent of the batch it ran in, the cache (hit, miss, partial), prefill chunking,
+    preemption, cascade decode and the page size, in float32 and bfloat16 alike, as the dtype
+    probe verified on this machine (``Engine.batch_invariant`` says whether it did).
+    Implements ``engine.client.EngineClient``.
     """
 
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | LoadedModel | None = None,
-        device: str = "auto",
-        dtype: str | torch.dtype | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        kv_cache_bytes: int | None = None,
-        max_batch_tokens: int | None = None,
-        max_running: int | None = None,
-        policy: str = "lpm",
-        prefix_cache: bool = True,
-        backend: str = "auto",
-        threads: int | None = None,
-        batch_invariant: bool = True,
-        kv_host_bytes: int | None = None,
-        kv_disk_dir: str | os.PathLike[str] | None = None,
-        kv_disk_bytes: int | None = None,
-        **scheduler_options: Any,
-    ) -> None:
-        # Every argument is checked before the (slow) model load.
-        _check_model_arg(model)
-        _check_engine_args(page_size, num_pages, kv_cache_bytes, prefix_cache)
-        check_tier_args(kv_host_bytes, kv_disk_dir, kv_disk_bytes, prefix_cache)
-        thread_policy = ThreadPolicy.default(threads)
-        sched_config = _scheduler_config(
-            page_size, policy, max_batch_tokens, max_running,
-            {**scheduler_options, "prefix_cache": prefix_cache},
-        )
-        _check_backend(backend)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+    def __init__(self, config: EngineConfig | None = None, /, **overrides: Any) -> None:
+        model = overrides.get("model")
+        loaded_model = model if isinstance(model, LoadedModel) else None
+        if loaded_model is not None:
+            overrides["model"] = None
+        # Every knob is checked here, before the (slow) model load.
+        config = (config or EngineConfig()).replace(**overrides)
+        self._engine_config = config
+        loaded = loaded_model or load_model(config.model, config.device, config.dtype)
         warn_if_slow_dtype(loaded.device, loaded.dtype)
         self._tokenizer = loaded.tokenizer
         self._config = loaded.config
+        self._prompts = PromptPreparer(
+            loaded.tokenizer, loaded.config.vocab_size, int(loaded.config.max_position_embeddings)
+        )
         self._device = loaded.device
         self._dtype = loaded.dtype
-        self._prefix_cache = prefix_cache
-        pages = _pool_pages(loaded, page_size, num_pages, kv_cache_bytes)
-        _check_pool_fits(loaded, page_size, pages, "num_pages" if num_pages else "kv_cache_bytes")
-        cfg = loaded.config
-        pool = KVPool(
-            cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-            loaded.dtype, loaded.device,
+        pool = build_pool(loaded, config)
+        tiers = build_tiers(loaded, pool, config)
+        kv = KVManager(pool.num_pages, config.page_size, config.prefix_cache, tiers)
+        runner = build_runner(loaded, pool, config)
+        self._batch_invariant = runner.batch_invariant and verified_invariant(
+            loaded, config.batch_invariant
         )
-        tiers = build_tiers(loaded, pool, kv_host_bytes, kv_disk_dir, kv_disk_bytes)
-        kv = KVManager(pages, page_size, prefix_cache, tiers)
-        runner = ModelRunner(
-            loaded,
-            pool,
-            backend=_resolve_backend(backend, loaded.device),
-            threads=thread_policy,
-            batch_invariant=batch_invariant and loaded.device.type == "cpu",
-        )
-        self._batch_invariant = runner.batch_invariant and _verified(loaded, batch_invariant)
         self._attention_kernel = runner.backend.kernel_name
-        self._page_size = page_size
         self._num_pages = kv.num_pages
-        self._eos_token_ids = frozenset(cfg.eos_token_ids)
+        self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._request_ids = itertools.count()
-        self._loop = EngineLoop(Scheduler(kv, sched_config), runner)
+        self._loop = EngineLoop(Scheduler(kv, config.scheduler), runner)
         # Closes the loop (and frees the pool) if the engine is dropped without close().
         self._finalizer = weakref.finalize(self, self._loop.close)
 
@@ -152,13 +100,18 @@ class Engine:
         return int(self._config.max_position_embeddings)
 
     @property
+    def config(self) -> EngineConfig:
+        """The knobs this engine was built with."""
+        return self._engine_config
+
+    @property
     def page_size(self) -> int:
-        return self._page_size
+        return self._engine_config.page_size
 
     @property
     def prefix_cache(self) -> bool:
         """False: nothing is reused across requests (the benchmarks' baseline)."""
-        return self._prefix_cache
+        return self._engine_config.prefix_cache
 
     @property
     def num_pages(self) -> int:
@@ -194,8 +147,9 @@ class Engine:
     ) -> RequestHandle:
         """Queues one request and returns its handle at once: every other way in builds on it.
 
-        ``prompt``: a str, a list of token ids, or a conversation ``[{"role", "content"}, ...]``
-        (rendered with the chat template). Everything is validated here, in the caller's
+        ``prompt``: a str, a list of token ids, a conversation ``[{"role", "content"}, ...]``
+        (rendered with the chat template), or ``PromptIds`` from ``encode`` (not encoded or
+        checked again). Everything is validated here, in the caller's
         thread: a bad request raises ValueError and nothing is queued. With ``stream=True``
         iterating the handle yields text deltas before the RequestOutput. ``handle.result()``
         (or ``await handle.aresult()``) waits for the output; ``handle.abort()`` stops it.
@@ -213,17 +167,10 @@ class Engine:
         to completion and then the first error is raised.
         """
         handles: list[RequestHandle] = []
-        finished = 0
-        try:
+        with abort_on_exit(handles):  # interrupted (KeyboardInterrupt) or a submit failed
             for ids, p in self._prepare(prompts, params, namespace):
                 handles.append(self._submit_ids(ids, p, namespace))
-            events = []
-            for handle in handles:
-                events.append(handle.final_event())
-                finished += 1
-        finally:
-            for handle in handles[finished:]:  # interrupted (KeyboardInterrupt) or submit failed
-                handle.abort()
+            events = [handle.final_event() for handle in handles]
         return outputs_or_raise(events)
 
     def stream(
@@ -246,11 +193,8 @@ class Engine:
         awaiting task aborts the requests."""
         prepared = self._prepare(prompts, params, namespace)
         handles = [self._submit_ids(ids, p, namespace) for ids, p in prepared]
-        try:
+        with abort_on_exit(handles):  # cancelled: abort what has not finished
             events = await asyncio.gather(*(h.afinal_event() for h in handles))
-        finally:
-            for handle in handles:  # cancelled: abort what has not finished
-                handle.abort()
         return outputs_or_raise(list(events))
 
     async def astream(
@@ -319,12 +263,13 @@ class Engine:
 
         return ChatSession(self, system=system, params=params, namespace=namespace)
 
-    def encode(self, prompt: Any, field: str = "prompt") -> list[int]:
+    def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
         """The token ids ``submit`` would run for ``prompt`` (a conversation rendered with the
-        chat template), validated the same way; ValueError names ``field``."""
+        chat template), checked the same way; ValueError names ``field``. ``submit`` takes
+        them back without encoding or checking them again."""
         if self.closed:
             raise EngineDeadError("the engine is closed")
-        return encode_one(self._tokenizer, prompt, self._config.vocab_size, field)
+        return self._prompts.encode(prompt, field)
 
     # ------------------------------------------------------------------------- state, shutdown
 
@@ -377,9 +322,8 @@ class Engine:
         """Tokenises and validates everything before anything is queued: the one boundary."""
         if self.closed:
             raise EngineDeadError("the engine is closed")
-        return prepare_prompts(
-            self._tokenizer, self._config.vocab_size, self.max_context,
-            self._num_pages * self._page_size, prompts, params, namespace, single,
+        return self._prompts.prepare(
+            prompts, params, namespace, self._num_pages * self.page_size, single
         )
 
     def _submit_ids(
@@ -399,147 +343,3 @@ class Engine:
         return handle
 
 
-def warn_if_slow_dtype(device: torch.device, dtype: torch.dtype) -> None:
-    """float16 on a CPU has no fast kernels in torch (~5x slower than float32 here): say so."""
-    if device.type == "cpu" and dtype == torch.float16:
-        warnings.warn(
-            "dtype: float16 on the CPU runs several times slower than float32 (torch has no "
-            "fast CPU kernels for it); use float32, bfloat16, or dtype=None to measure",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-def _check_model_arg(model: Any) -> None:
-    if model is None or isinstance(model, LoadedModel):
-        return
-    if not isinstance(model, (str, os.PathLike)):
-        raise ValueError(
-            f"model: expected a checkpoint directory or .gguf path (str), got "
-            f"{type(model).__name__}"
-        )
-    if not os.fspath(model):
-        raise ValueError("model: empty path; pass None for the bundled model")
-
-
-def _check_pool_fits(loaded: LoadedModel, page_size: int, pages: int, field: str) -> None:
-    """The KV pool must fit the memory there is, checked before allocating it (a pool too
-    large for the machine would get the process killed, not an error)."""
-    cfg = loaded.config
-    per_page = KVPool.bytes_per_page(
-        cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
-    )
-    need = pages * per_page
-    if loaded.device.type == "cuda":
-        available = torch.cuda.mem_get_info(loaded.device)[0]
-    else:
-        available = available_memory_bytes()
-    if need > available:
-        raise ValueError(
-            f"{field}: {pages} pages x {per_page:,} bytes (page_size {page_size}) = {need:,} "
-            f"bytes of KV cache, more than the {available:,} bytes of memory available"
-        )
-
-
-def _check_engine_args(
-    page_size: Any, num_pages: Any, kv_cache_bytes: Any, prefix_cache: Any
-) -> None:
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise ValueError(f"page_size: must be an int >= 1, got {page_size!r}")
-    if num_pages is not None and kv_cache_bytes is not None:
-        raise ValueError("num_pages, kv_cache_bytes: give at most one of them")
-    if num_pages is not None and (
-        not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1
-    ):
-        raise ValueError(f"num_pages: must be an int >= 1, got {num_pages!r}")
-    if kv_cache_bytes is not None and (
-        not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool)
-        or kv_cache_bytes < 1
-    ):
-        raise ValueError(f"kv_cache_bytes: must be an int >= 1, got {kv_cache_bytes!r}")
-    if not isinstance(prefix_cache, bool):
-        raise ValueError(f"prefix_cache: must be a bool, got {prefix_cache!r}")
-
-
-def _scheduler_config(
-    page_size: int,
-    policy: str,
-    max_batch_tokens: int | None,
-    max_running: int | None,
-    options: dict[str, Any],
-) -> SchedulerConfig:
-    args: dict[str, Any] = {"page_size": page_size, "policy": policy, **options}
-    if max_batch_tokens is not None:
-        args["max_batch_tokens"] = max_batch_tokens
-    if max_running is not None:
-        args["max_running"] = max_running
-    known = set(SchedulerConfig.__struct_fields__)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(
-            f"{unknown[0]}: not an Engine or SchedulerConfig option; "
-            f"scheduler options: {', '.join(sorted(known))}"
-        )
-    return SchedulerConfig(**args)
-
-
-def _pool_pages(
-    loaded: LoadedModel, page_size: int, num_pages: int | None, kv_cache_bytes: int | None
-) -> int:
-    if num_pages is not None:
-        return num_pages
-    cfg = loaded.config
-    if kv_cache_bytes is None:
-        if loaded.device.type == "cuda":
-            kv_cache_bytes = KVPool.cuda_budget_bytes(CUDA_KV_FRACTION, loaded.device)
-        else:
-            kv_cache_bytes = min(CPU_KV_BYTES, machine_memory_bytes() // 8)
-    pages = KVPool.pages_for_bytes(
-        kv_cache_bytes, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
-    )
-    if pages < 1:
-        per_page = KVPool.bytes_per_page(
-            cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
-        )
-        raise ValueError(
-            f"kv_cache_bytes: {kv_cache_bytes} is less than one page ({per_page} bytes)"
-        )
-    return pages
-
-
-def _verified(loaded: LoadedModel, batch_invariant: bool) -> bool:
-    """Whether the dtype probe verified this machine's forward in the model's dtype as
-    batch-invariant (``engine.model.probe``); warns when it was asked for and not verified."""
-    if not batch_invariant or loaded.device.type != "cpu":
-        return False
-    from engine.model.probe import probe
-
-    name = str(loaded.dtype).removeprefix("torch.")
-    report = probe().reports.get(name)
-    if report is not None and report.usable:
-        return True
-    why = "its probe crashed" if report is None else (
-        f"not invariant ({', '.join(report.failed)})" if not report.invariant
-        else f"{report.error:.2g} from float32"
-    )
-    warnings.warn(
-        f"batch_invariant: the {name} forward was not verified on this CPU ({why}); "
-        "greedy answers may depend on the batch and the cache",
-        stacklevel=3,
-    )
-    return False
-
-
-def _check_backend(backend: str) -> None:
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend: unknown {backend!r}; available: auto, {', '.join(BACKENDS)}")
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto": FlashInfer on CUDA where it is installed (the ``gpu`` extra), the torch one
-    otherwise (on the CPU the flashinfer backend is only its slow reference, for tests)."""
-    if backend != "auto":
-        return backend
-    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
-        return "flashinfer"
-    return "torch"

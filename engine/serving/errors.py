@@ -8,3 +8,21 @@ class EngineDeadError(RuntimeError):
 
     When the loop crashed, ``__cause__`` is the exception that killed it.
     """
+
+
+class ContextLengthError(ValueError):
+    """A request that cannot fit: its prompt plus ``max_new_tokens`` exceed the model's context
+    (``limit`` = the context) or, alone, the KV pool (``limit`` = the pool's tokens). A
+    ValueError naming ``field``; the numbers let a front end say it in its own words (the
+    OpenAI server's ``context_length_exceeded``, naming ``max_tokens``)."""
+
+    def __init__(
+        self, message: str, field: str, prompt_tokens: int, max_new_tokens: int, limit: int,
+        of_pool: bool,
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.limit = limit
+        self.of_pool = of_pool

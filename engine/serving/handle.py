@@ -9,9 +9,10 @@ sessions and ``fork`` are all built on it, so aborts and errors are handled in o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.model.sampler import TokenLogprob
@@ -46,6 +47,18 @@ class Failed:
 
 
 Event = Delta | Done | Failed
+
+
+@contextlib.contextmanager
+def abort_on_exit(handles: Iterable[RequestHandle]) -> Iterator[None]:
+    """Leaving the block by any way (an error, KeyboardInterrupt, a cancelled task, a client
+    gone) aborts every handle in ``handles`` that has not finished; read at exit, so a list
+    filled inside the block counts. Every caller that submits and waits exits this way."""
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.abort()  # a no-op once it finished
 
 
 class RequestHandle:

@@ -1,4 +1,4 @@
-"""The KV tiers under an engine's pool: what the knobs mean, and what keys the disk.
+"""The KV tiers under an engine's pool, built from its config, and what keys the disk.
 
 ``kv_host_bytes`` budgets a host-memory store, ``kv_disk_dir``/``kv_disk_bytes`` a directory
 of page files. The disk's files sit under a *store key* naming everything a page's KV depends
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import xxhash
 
+from engine.config import EngineConfig
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
 from radix.tiers import DiskStore, HostStore, KVTiers
@@ -29,39 +30,10 @@ DISK_CAP_BYTES = 16 << 30
 STORE_FORMAT = 1
 
 
-def check_tier_args(
-    kv_host_bytes: Any, kv_disk_dir: Any, kv_disk_bytes: Any, prefix_cache: bool
-) -> None:
-    for name, value in (("kv_host_bytes", kv_host_bytes), ("kv_disk_bytes", kv_disk_bytes)):
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 0
-        ):
-            raise ValueError(f"{name}: must be an int >= 0 (bytes), got {value!r}")
-    if kv_disk_dir is not None and not isinstance(kv_disk_dir, (str, os.PathLike)):
-        raise ValueError(f"kv_disk_dir: must be a path, got {type(kv_disk_dir).__name__}")
-    if kv_disk_dir is not None and not str(kv_disk_dir):
-        raise ValueError("kv_disk_dir: must be a non-empty path")
-    if kv_disk_bytes is not None and kv_disk_dir is None:
-        raise ValueError("kv_disk_bytes: needs kv_disk_dir (where the pages go)")
-    wanted = bool(kv_host_bytes) or kv_disk_dir is not None
-    if wanted and not prefix_cache:
-        raise ValueError(
-            "kv_host_bytes, kv_disk_dir: KV tiers need prefix_cache=True (nothing is cached)"
-        )
-    if kv_disk_dir is not None:
-        path = Path(kv_disk_dir).expanduser()
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"kv_disk_dir: {str(kv_disk_dir)!r} exists and is not a directory")
-
-
-def build_tiers(
-    loaded: LoadedModel,
-    pool: KVPool,
-    kv_host_bytes: int | None,
-    kv_disk_dir: str | os.PathLike[str] | None,
-    kv_disk_bytes: int | None,
-) -> KVTiers | None:
-    """The tiers the knobs ask for, or None (an evicted page is then recomputed)."""
+def build_tiers(loaded: LoadedModel, pool: KVPool, config: EngineConfig) -> KVTiers | None:
+    """The tiers the config asks for, or None (an evicted page is then recomputed)."""
+    kv_host_bytes, kv_disk_dir = config.kv_host_bytes, config.kv_disk_dir
+    kv_disk_bytes = config.kv_disk_bytes
     host = HostStore(kv_host_bytes) if kv_host_bytes else None
     disk = None
     if kv_disk_dir is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.client import PromptIds
 from engine.serving.validation import (
     check_fits,
     check_messages,
@@ -25,6 +26,8 @@ def split_prompts(prompts: Any) -> list[Any]:
 
     A str, a list of ints and a list of messages are each ONE prompt; a list of those is many.
     """
+    if isinstance(prompts, PromptIds):
+        return [prompts]
     prompts = _as_python(prompts)
     if isinstance(prompts, str):
         return [prompts]
@@ -158,7 +161,12 @@ def encode_text(
 
 
 def encode_prompt(tokenizer: Any, prompt: Any, vocab_size: int, field: str) -> list[int]:
-    """Token ids of one prompt; ValueError naming ``field`` when it is empty or malformed."""
+    """Token ids of one prompt; ValueError naming ``field`` when it is empty or malformed.
+    ``PromptIds`` were encoded and checked already: they are taken as they are."""
+    if isinstance(prompt, PromptIds):
+        if not prompt:
+            raise ValueError(f"{field}: empty prompt; a prompt needs at least one token")
+        return prompt
     prompt = _as_python(prompt)
     if isinstance(prompt, str):
         if not prompt:
@@ -186,12 +194,12 @@ def _as_python(value: Any) -> Any:
     return value
 
 
-def encode_one(tokenizer: Any, prompt: Any, vocab_size: int, field: str = "prompt") -> list[int]:
-    """Token ids of exactly one prompt; ValueError names ``field``."""
+def encode_one(tokenizer: Any, prompt: Any, vocab_size: int, field: str = "prompt") -> PromptIds:
+    """Token ids of exactly one prompt, checked; ValueError names ``field``."""
     items = split_prompts(prompt)
     if len(items) != 1:
         raise ValueError(f"{field}: expected one prompt, got a list of {len(items)}")
-    return encode_prompt(tokenizer, items[0], vocab_size, field)
+    return PromptIds(encode_prompt(tokenizer, items[0], vocab_size, field))
 
 
 def prepare_prompts(
@@ -218,3 +226,29 @@ def prepare_prompts(
         check_fits(len(ids), p.max_new_tokens, max_context, pool_tokens, field)
         prepared.append((ids, p))
     return prepared
+
+
+class PromptPreparer:
+    """The one validation boundary of a model: what callers pass (text, ids, messages,
+    ``PromptIds``; sampling parameters; a namespace) to checked token ids and parameters. An
+    ``Engine`` and a front end that sends ids to replicas (``cluster.remote.RemoteEngine``)
+    each hold one, so both check the same things in the same words."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_context: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+
+    def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
+        """Exactly one prompt's checked token ids; ValueError names ``field``."""
+        return encode_one(self.tokenizer, prompt, self.vocab_size, field)
+
+    def prepare(
+        self, prompts: Any, params: Any, namespace: Any, pool_tokens: int, single: bool = False
+    ) -> list[tuple[list[int], SamplingParams]]:
+        """Every prompt's ids and parameters, all checked before any is queued; each must fit
+        the context and, alone, a pool of ``pool_tokens``."""
+        return prepare_prompts(
+            self.tokenizer, self.vocab_size, self.max_context, pool_tokens,
+            prompts, params, namespace, single,
+        )

@@ -1,119 +1,107 @@
-"""A snapshot of the engine's counters and page accounting."""
+"""A snapshot of the engine: the scheduler's counters, the pool's pages and the KV tiers'
+figures, each as its owner reports it (nothing copied field by field), plus what only the
+loop knows (failed requests, the queue)."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any
 
 import msgspec
 
+from radix import PageStats
+from radix.tiers import TierStats
 from scheduler import Scheduler
-
-# Monotone counters copied from the scheduler (never reset, never overwritten per batch).
-COUNTER_NAMES = (
-    "requests",
-    "finished",
-    "aborted",
-    "prompt_tokens",
-    "cached_tokens",
-    "cached_tokens_host",
-    "cached_tokens_disk",
-    "computed_prefill_tokens",
-    "generated_tokens",
-    "evicted_pages",
-    "preemptions",
-)
+from scheduler.counters import SchedulerCounters
 
 
 class EngineStats(msgspec.Struct, frozen=True):
-    """Counters only ever grow; rates are derived from them; page figures are current values.
+    """``counters`` only ever grow (``SchedulerCounters``: requests, prompt/cached/computed/
+    generated tokens, evictions, preemptions); ``pages`` are current (``free + cached +
+    private == total``; ``private`` is 0 at idle); ``tiers`` are the KV tiers below the pool
+    (zeros without them). ``hit_rate`` = cached_tokens / prompt_tokens over the engine's life,
+    derived by the counters."""
 
-    ``hit_rate`` = cached_tokens / prompt_tokens over the engine's life. Pages: ``pages_free``
-    (on the free list) + ``pages_cached`` (held by the prefix tree, locked or not) +
-    ``pages_in_use`` (private to running requests) == ``pages_total``. At idle
-    ``pages_in_use`` is 0. ``cached_tokens`` counts prompt tokens served from the pool and
-    loaded back from host memory (``cached_tokens_host``) or disk (``cached_tokens_disk``).
-    """
-
-    requests: int
-    finished: int
-    aborted: int
-    prompt_tokens: int
-    cached_tokens: int
-    cached_tokens_host: int
-    cached_tokens_disk: int
-    computed_prefill_tokens: int
-    generated_tokens: int
-    evicted_pages: int
-    preemptions: int
+    counters: SchedulerCounters
+    pages: PageStats
+    tiers: TierStats
     failed: int
-    hit_rate: float
-    pages_total: int
-    pages_free: int
-    pages_cached: int
-    pages_in_use: int
     requests_running: int
     requests_waiting: int
-    # KV tiers below the pool (all 0 without them): what each holds now, pages written down
-    # and loaded back, pages that fell off the bottom, damaged disk files found, loads
-    # refused as slower than recomputing, and the measured costs that decide (s per page).
-    kv_host_pages: int = 0
-    kv_host_bytes: int = 0
-    kv_disk_pages: int = 0
-    kv_disk_bytes: int = 0
-    kv_pages_written_host: int = 0
-    kv_pages_written_disk: int = 0
-    kv_pages_loaded_host: int = 0
-    kv_pages_loaded_disk: int = 0
-    kv_pages_dropped: int = 0
-    kv_disk_corrupt: int = 0
-    kv_disk_write_errors: int = 0
-    kv_loads_skipped_slow: int = 0
-    kv_load_s_per_page_host: float | None = None
-    kv_load_s_per_page_disk: float | None = None
-    kv_compute_s_per_page: float | None = None
 
     @property
-    def cached_tokens_pool(self) -> int:
-        """Prompt tokens served from the pool's tree (the rest of cached_tokens was loaded)."""
-        return self.cached_tokens - self.cached_tokens_host - self.cached_tokens_disk
+    def hit_rate(self) -> float:
+        return self.counters.hit_rate
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
+        """Plain data (for JSON), the derived hit rate included."""
+        return {**msgspec.to_builtins(self), "hit_rate": self.hit_rate}
+
+    @classmethod
+    def zero(cls) -> EngineStats:
+        """An engine that has done nothing and holds nothing (a front before any replica
+        reported)."""
+        return _zero(cls)
+
+    @classmethod
+    def total(cls, parts: list[EngineStats]) -> EngineStats:
+        """Several engines' stats as one's (replicas behind a router): counts add up, measured
+        costs (the tiers' seconds per page) are averaged over the engines that have them, and
+        the hit rate follows from the summed counters."""
+        return _sum(cls, parts) if parts else cls.zero()
 
 
 def snapshot(scheduler: Scheduler, failed: int) -> EngineStats:
     """Reads the scheduler's counters and the KV manager's pages (call on the loop thread)."""
-    counters = scheduler.counters
-    values = {name: int(getattr(counters, name)) for name in COUNTER_NAMES}
-    pages = scheduler.kv.stats()
-    prompt = values["prompt_tokens"]
     tiers = scheduler.kv.tier_stats()
-    tier_values = {} if tiers is None else {
-        "kv_host_pages": tiers.host_pages,
-        "kv_host_bytes": tiers.host_bytes,
-        "kv_disk_pages": tiers.disk_pages,
-        "kv_disk_bytes": tiers.disk_bytes,
-        "kv_pages_written_host": tiers.written_host,
-        "kv_pages_written_disk": tiers.written_disk,
-        "kv_pages_loaded_host": tiers.loaded_host,
-        "kv_pages_loaded_disk": tiers.loaded_disk,
-        "kv_pages_dropped": tiers.dropped,
-        "kv_disk_corrupt": tiers.corrupt,
-        "kv_disk_write_errors": tiers.disk_write_errors,
-        "kv_loads_skipped_slow": tiers.skipped_slow,
-        "kv_load_s_per_page_host": tiers.load_s_per_page_host,
-        "kv_load_s_per_page_disk": tiers.load_s_per_page_disk,
-        "kv_compute_s_per_page": tiers.compute_s_per_page,
-    }
     return EngineStats(
-        **values,
+        counters=dataclasses.replace(scheduler.counters),  # a copy: the counters move on
+        pages=scheduler.kv.stats(),
+        tiers=_zero(TierStats) if tiers is None else tiers,
         failed=failed,
-        hit_rate=values["cached_tokens"] / prompt if prompt else 0.0,
-        pages_total=pages.total,
-        pages_free=pages.free,
-        pages_cached=pages.cached,
-        pages_in_use=pages.private,
         requests_running=scheduler.num_running,
         requests_waiting=scheduler.num_waiting,
-        **tier_values,
     )
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    if dataclasses.is_dataclass(cls):
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {name: hints[name] for name in cls.__struct_fields__}
+
+
+def _is_record(kind: Any) -> bool:
+    return isinstance(kind, type) and (
+        dataclasses.is_dataclass(kind) or issubclass(kind, msgspec.Struct)
+    )
+
+
+def _zero(cls: type) -> Any:
+    """``cls`` with every count 0, every optional measurement None, nested records zero."""
+    values = {}
+    for name, kind in _fields(cls).items():
+        if _is_record(kind):
+            values[name] = _zero(kind)
+        elif kind is int:
+            values[name] = 0
+        elif kind is float:
+            values[name] = 0.0
+        else:  # float | None: not measured
+            values[name] = None
+    return cls(**values)
+
+
+def _sum(cls: type, parts: list[Any]) -> Any:
+    values = {}
+    for name, kind in _fields(cls).items():
+        column = [getattr(part, name) for part in parts]
+        if _is_record(kind):
+            values[name] = _sum(kind, column)
+        elif kind in (int, float):
+            values[name] = sum(column)
+        else:
+            present = [v for v in column if v is not None]
+            values[name] = sum(present) / len(present) if present else None
+    return cls(**values)

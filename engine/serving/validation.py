@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.serving.errors import ContextLengthError
 from scheduler import SamplingParams
 
 
@@ -119,16 +120,18 @@ def check_fits(
     """The request must fit the model's context and, alone, the KV pool."""
     total = num_prompt_tokens + max_new_tokens
     if total > max_context:
-        raise ValueError(
+        raise ContextLengthError(
             f"{field}: {num_prompt_tokens} prompt tokens + max_new_tokens {max_new_tokens} = "
-            f"{total} exceeds the model's context of {max_context} tokens"
+            f"{total} exceeds the model's context of {max_context} tokens",
+            field, num_prompt_tokens, max_new_tokens, max_context, of_pool=False,
         )
     # The last generated token is never fed back, so its K/V is never stored.
     if total - 1 > pool_tokens:
-        raise ValueError(
+        raise ContextLengthError(
             f"{field}: {num_prompt_tokens} prompt tokens + max_new_tokens {max_new_tokens} "
             f"need {total - 1} KV slots, more than the KV cache's {pool_tokens} "
-            "(num_pages x page_size)"
+            "(num_pages x page_size)",
+            field, num_prompt_tokens, max_new_tokens, pool_tokens, of_pool=True,
         )
 
 

@@ -151,7 +151,7 @@ def test_both_replicas_serve_and_a_shared_prefix_stays_on_one(
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         assert list(pool.map(ask, range(12))) == [48] * 12
-    assert all(s["requests"] > 0 for s in replicas(cluster_url).values())
+    assert all(s["counters"]["requests"] > 0 for s in replicas(cluster_url).values())
 
 
 def test_bad_input_is_a_400_naming_the_field(cluster_url: str) -> None:
@@ -174,7 +174,7 @@ def test_bad_input_is_a_400_naming_the_field(cluster_url: str) -> None:
 def test_every_page_is_accounted_for_after_a_client_leaves_mid_stream(
     client: Any, cluster_url: str
 ) -> None:
-    aborted_before = sum(s["aborted"] for s in replicas(cluster_url).values())
+    aborted_before = sum(s["counters"]["aborted"] for s in replicas(cluster_url).values())
     stream = client.completions.create(
         model="SmolLM2-135M-Instruct",
         prompt="Tell me a very long story about a lighthouse",
@@ -191,18 +191,18 @@ def test_every_page_is_accounted_for_after_a_client_leaves_mid_stream(
     while True:
         stats = replicas(cluster_url)
         idle = all(
-            s["requests_running"] == 0 and s["requests_waiting"] == 0 and s["pages_in_use"] == 0
+            s["requests_running"] == 0 and s["requests_waiting"] == 0 and s["pages"]["private"] == 0
             for s in stats.values()
         )
-        aborted = sum(s["aborted"] for s in stats.values()) > aborted_before
+        aborted = sum(s["counters"]["aborted"] for s in stats.values()) > aborted_before
         if (idle and aborted) or time.monotonic() > deadline:  # stats arrive every 0.5 s
             break
         time.sleep(0.5)
     assert len(stats) == 2
-    assert sum(s["aborted"] for s in stats.values()) == aborted_before + 1  # not run to the end
+    assert sum(s["counters"]["aborted"] for s in stats.values()) == aborted_before + 1  # not run to the end
     for s in stats.values():
-        assert s["pages_free"] + s["pages_cached"] == s["pages_total"], s
-        assert s["requests_running"] == 0 and s["pages_in_use"] == 0, s
+        assert s["pages"]["free"] + s["pages"]["cached"] == s["pages"]["total"], s
+        assert s["requests_running"] == 0 and s["pages"]["private"] == 0, s
 
 
 def test_a_stop_right_after_start_up_exits_cleanly_and_leaves_no_process() -> None:

@@ -4,13 +4,14 @@ replicas' stats add up to one engine's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import msgspec
 import pytest
 
-from cluster.remote import ZERO_STATS, EngineCall, RemoteEngine, sum_stats
-from engine import SamplingParams
+from cluster.remote import EngineCall, RemoteEngine
+from engine import EngineStats, SamplingParams
 from engine.model.loader import load_front
 
 
@@ -103,27 +104,28 @@ def test_a_replica_failure_reaches_the_client_without_ray_internals(front: Any) 
 
 
 def test_replicas_stats_add_up_and_the_hit_rate_is_recomputed() -> None:
-    a = msgspec.structs.replace(
-        ZERO_STATS,
-        requests=3,
-        prompt_tokens=100,
-        cached_tokens=50,
-        pages_total=64,
-        pages_free=64,
-        kv_compute_s_per_page=0.02,
+    zero = EngineStats.zero()
+
+    def stats(counters: dict, pages: dict, tiers: dict) -> EngineStats:
+        return msgspec.structs.replace(
+            zero,
+            counters=dataclasses.replace(zero.counters, **counters),
+            pages=dataclasses.replace(zero.pages, **pages),
+            tiers=dataclasses.replace(zero.tiers, **tiers),
+        )
+
+    a = stats(
+        {"requests": 3, "prompt_tokens": 100, "cached_tokens": 50},
+        {"total": 64, "free": 64},
+        {"compute_s_per_page": 0.02},
     )
-    b = msgspec.structs.replace(
-        ZERO_STATS,
-        requests=1,
-        prompt_tokens=100,
-        cached_tokens=0,
-        pages_total=64,
-        pages_free=60,
-        pages_cached=4,
+    b = stats(
+        {"requests": 1, "prompt_tokens": 100, "cached_tokens": 0},
+        {"total": 64, "free": 60, "cached": 4},
+        {},
     )
-    total = sum_stats([a, b])
-    assert total is not None
-    assert (total.requests, total.pages_total, total.pages_free) == (4, 128, 124)
+    total = EngineStats.total([a, b])
+    assert (total.counters.requests, total.pages.total, total.pages.free) == (4, 128, 124)
     assert total.hit_rate == pytest.approx(0.25)
-    assert total.kv_compute_s_per_page == pytest.approx(0.02)  # the one replica that measured
-    assert sum_stats([]) is None
+    assert total.tiers.compute_s_per_page == pytest.approx(0.02)  # the one replica that measured
+    assert EngineStats.total([]) == zero

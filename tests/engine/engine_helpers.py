@@ -52,5 +52,5 @@ def assert_idle_accounting(eng: Engine) -> None:
     assert eng.wait_idle(timeout=60), "engine did not become idle"
     stats = eng.stats()
     assert stats.requests_running == 0 and stats.requests_waiting == 0
-    assert stats.pages_in_use == 0
-    assert stats.pages_free + stats.pages_cached == stats.pages_total
+    assert stats.pages.private == 0
+    assert stats.pages.free + stats.pages.cached == stats.pages.total

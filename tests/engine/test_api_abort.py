@@ -27,8 +27,8 @@ def test_closing_a_stream_early_aborts_and_frees_pages(engine) -> None:
     stream.close()
     assert_idle_accounting(engine)
     after = engine.stats()
-    assert after.aborted == before.aborted + 1
-    assert after.generated_tokens - before.generated_tokens < 200
+    assert after.counters.aborted == before.counters.aborted + 1
+    assert after.counters.generated_tokens - before.counters.generated_tokens < 200
 
 
 def test_cancelling_an_agenerate_task_aborts_the_request(engine) -> None:
@@ -46,7 +46,7 @@ def test_cancelling_an_agenerate_task_aborts_the_request(engine) -> None:
 
     asyncio.run(main())
     assert_idle_accounting(engine)
-    assert engine.stats().aborted == before.aborted + 2
+    assert engine.stats().counters.aborted == before.counters.aborted + 2
 
 
 def test_closing_an_async_stream_early_aborts(engine) -> None:
@@ -60,7 +60,7 @@ def test_closing_an_async_stream_early_aborts(engine) -> None:
 
     assert isinstance(asyncio.run(main()), str)
     assert_idle_accounting(engine)
-    assert engine.stats().aborted == before.aborted + 1
+    assert engine.stats().counters.aborted == before.counters.aborted + 1
 
 
 def test_engine_keeps_working_after_aborts(engine, tokenizer, hf_greedy) -> None:
@@ -73,8 +73,8 @@ def test_engine_keeps_working_after_aborts(engine, tokenizer, hf_greedy) -> None
 
 
 def test_a_stream_never_started_submits_nothing(engine) -> None:
-    before = engine.stats().requests
+    before = engine.stats().counters.requests
     stream = engine.stream(STORY, LONG)
     del stream
     assert engine.wait_idle(timeout=30)
-    assert engine.stats().requests == before
+    assert engine.stats().counters.requests == before

@@ -63,11 +63,11 @@ class _CtrlCThenLines(io.StringIO):
 
 
 def test_unknown_commands_are_not_sent_to_the_model(engine, capsys) -> None:
-    before = engine.stats().requests
+    before = engine.stats().counters.requests
     stdout = io.StringIO()
     assert run_chat(engine, greedy(4), None, io.StringIO("/frobnicate now\n/exit\n"), stdout) == 0
     assert "unknown command /frobnicate" in capsys.readouterr().err
-    assert engine.stats().requests == before and "bot> " not in stdout.getvalue()
+    assert engine.stats().counters.requests == before and "bot> " not in stdout.getvalue()
 
 
 def test_ctrl_c_at_the_idle_prompt_clears_the_line_and_the_chat_goes_on(engine) -> None:

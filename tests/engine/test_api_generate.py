@@ -38,4 +38,4 @@ def test_fresh_engine_is_idle(make_engine) -> None:
     eng = make_engine(page_size=16, num_pages=8)
     assert eng.wait_idle(timeout=5)
     stats = eng.stats()
-    assert (stats.requests, stats.pages_free, stats.pages_total) == (0, 8, 8)
+    assert (stats.counters.requests, stats.pages.free, stats.pages.total) == (0, 8, 8)

@@ -23,7 +23,7 @@ def test_greedy_matches_transformers_cold_then_warm(make_engine, chat_ids, hf_gr
     cold = eng.generate(prompts, greedy(NEW_TOKENS))
     assert [o.token_ids for o in cold] == expected
     assert [o.prompt_tokens for o in cold] == [len(ids) for ids in chat_ids]
-    assert eng.stats().cached_tokens < sum(len(ids) for ids in chat_ids) // 2
+    assert eng.stats().counters.cached_tokens < sum(len(ids) for ids in chat_ids) // 2
 
     warm = eng.generate(prompts, greedy(NEW_TOKENS))
     assert [o.token_ids for o in warm] == expected
@@ -51,8 +51,8 @@ def test_greedy_matches_transformers_under_memory_pressure(
     outs = eng.generate(prompts, greedy(NEW_TOKENS))
     assert [o.token_ids for o in outs] == expected
     stats = eng.stats()
-    assert stats.evicted_pages > 0
-    assert stats.preemptions > 0
+    assert stats.counters.evicted_pages > 0
+    assert stats.counters.preemptions > 0
     assert_idle_accounting(eng)
 
 

@@ -54,14 +54,14 @@ def test_answers_loaded_from_each_tier_equal_answers_with_no_cache(
     eng = make_engine(num_pages=POOL_PAGES, **kwargs)
     assert run_one_by_one(eng) == reference
     stats = eng.stats()
-    assert stats.evicted_pages > 0
-    loaded = stats.cached_tokens_host + stats.cached_tokens_disk
+    assert stats.counters.evicted_pages > 0
+    loaded = stats.counters.cached_tokens_host + stats.counters.cached_tokens_disk
     assert loaded > 0, "the second round should load its documents back"
     if "kv_host_bytes" in tiers:
-        assert stats.cached_tokens_host > 0 and stats.kv_pages_loaded_host > 0
+        assert stats.counters.cached_tokens_host > 0 and stats.tiers.loaded_host > 0
     if tiers.get("disk"):
-        assert stats.kv_pages_written_disk > 0
-    assert stats.cached_tokens == stats.cached_tokens_pool + loaded
+        assert stats.tiers.written_disk > 0
+    assert stats.counters.cached_tokens == stats.counters.cached_tokens_pool + loaded
     assert_idle_accounting(eng)
 
 
@@ -83,7 +83,7 @@ def test_loaded_pages_hold_the_bits_they_were_computed_with(make_engine) -> None
     for prompt in PROMPTS[1:3]:  # push PROMPTS[0]'s document out of the pool
         tight.generate([prompt], greedy(NEW))
     out = tight.generate([PROMPTS[3]], greedy(NEW))[0]  # the same document, loaded back
-    assert tight.stats().cached_tokens_host > 0 and out.cached_tokens > 0
+    assert tight.stats().counters.cached_tokens_host > 0 and out.cached_tokens > 0
     loaded = _tree_pages(tight)
     shared = set(computed) & set(loaded)
     assert len(shared) >= out.cached_tokens // 16
@@ -100,12 +100,12 @@ def test_a_restarted_engine_gets_its_hits_back_from_disk(
         stats = second.stats()
         first_prompt = len(second.encode(PROMPTS[0]))
     assert [o.token_ids for o in outs] == reference
-    assert stats.cached_tokens_disk > 0 and stats.kv_disk_corrupt == 0
+    assert stats.counters.cached_tokens_disk > 0 and stats.tiers.corrupt == 0
     assert outs[0].cached_tokens == (first_prompt - 1) // 16 * 16
     # Another page size is another KV layout: its store never reads these files.
     with Engine(model=loaded_fp32, num_pages=512, page_size=8, kv_disk_dir=tmp_path) as other:
         other.generate(PROMPTS[:1], greedy(NEW))
-        assert other.stats().cached_tokens == 0
+        assert other.stats().counters.cached_tokens == 0
     stores = sorted(p.parent.name for p in tmp_path.glob("*/store.json"))
     assert len(stores) == 2
 
@@ -128,7 +128,7 @@ def test_damaged_page_files_are_misses_and_answers_stay_exact(
         outs = second.generate(PROMPTS, greedy(NEW))
         stats = second.stats()
     assert [o.token_ids for o in outs] == reference
-    assert stats.kv_disk_corrupt > 0
+    assert stats.tiers.corrupt > 0
 
 
 def test_tenants_never_hit_each_others_pages_below_the_pool(make_engine, tmp_path) -> None:
@@ -138,9 +138,9 @@ def test_tenants_never_hit_each_others_pages_below_the_pool(make_engine, tmp_pat
     out = eng.generate([PROMPTS[0]], greedy(NEW), namespace="mallory")[0]
     assert out.cached_tokens == 0
     stats = eng.stats()
-    assert stats.cached_tokens_host == stats.cached_tokens_disk == 0
+    assert stats.counters.cached_tokens_host == stats.counters.cached_tokens_disk == 0
     again = eng.generate([PROMPTS[0]], greedy(NEW), namespace="alice")[0]
-    assert again.cached_tokens > 0 and eng.stats().cached_tokens_host > 0
+    assert again.cached_tokens > 0 and eng.stats().counters.cached_tokens_host > 0
 
 
 def test_preemption_and_aborts_around_loads_leave_every_page_accounted_for(
@@ -157,7 +157,7 @@ def test_preemption_and_aborts_around_loads_leave_every_page_accounted_for(
     outs = eng.generate(prompts, greedy(12))
     assert [o.token_ids for o in outs] == expected
     stats = eng.stats()
-    assert stats.preemptions > 0 and stats.kv_pages_loaded_host > 0
+    assert stats.counters.preemptions > 0 and stats.tiers.loaded_host > 0
     # Now abort streams from another thread while the loop admits (and loads) requests.
     handles = [eng.submit(p, greedy(16), stream=True) for p in prompts]
     aborter = threading.Thread(target=lambda: [h.abort() for h in handles[::2]])

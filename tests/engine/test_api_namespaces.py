@@ -15,7 +15,7 @@ def test_same_prompt_in_another_namespace_has_zero_cached_tokens(engine) -> None
     [again] = engine.generate(PROMPT, greedy(3), namespace="tenant-a")
     [other] = engine.generate(PROMPT, greedy(3), namespace="tenant-b")
     [default] = engine.generate(PROMPT, greedy(3))
-    assert first.cached_tokens == 0
+    assert first.counters.cached_tokens == 0
     assert again.cached_tokens > 0
     assert other.cached_tokens == 0
     assert default.cached_tokens == 0
@@ -29,6 +29,6 @@ def test_prefix_cache_off_reuses_nothing(make_engine) -> None:
     assert [o.cached_tokens for o in outs] == [0, 0, 0]
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     stats = eng.stats()
-    assert stats.cached_tokens == 0 and stats.hit_rate == 0.0
-    assert stats.computed_prefill_tokens == 3 * outs[0].prompt_tokens
+    assert stats.counters.cached_tokens == 0 and stats.hit_rate == 0.0
+    assert stats.counters.computed_prefill_tokens == 3 * outs[0].prompt_tokens
     assert_idle_accounting(eng)

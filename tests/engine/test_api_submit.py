@@ -22,12 +22,12 @@ def test_submit_returns_at_once_and_its_result_equals_generate(engine) -> None:
 
 
 def test_bad_input_raises_at_submit_and_queues_nothing(engine) -> None:
-    before = engine.stats().requests
+    before = engine.stats().counters.requests
     with pytest.raises(ValueError, match="prompt: empty prompt"):
         engine.submit("")
     with pytest.raises(ValueError, match="prompt: expected one prompt"):
         engine.submit(["a", "b"])
-    assert engine.stats().requests == before
+    assert engine.stats().counters.requests == before
 
 
 def test_abort_from_another_thread_frees_the_pages(engine) -> None:
@@ -51,12 +51,12 @@ def test_streamed_deltas_concatenate_to_the_text(engine) -> None:
 
 
 def test_leaving_a_handle_loop_early_aborts_the_request(engine) -> None:
-    before = engine.stats().aborted
+    before = engine.stats().counters.aborted
     handle = engine.submit("Tell me everything about rivers.", LONG, stream=True)
     for _ in handle:
         break
     assert_idle_accounting(engine)
-    assert engine.stats().aborted == before + 1
+    assert engine.stats().counters.aborted == before + 1
 
 
 def test_aresult_and_async_iteration_in_an_event_loop(engine) -> None:

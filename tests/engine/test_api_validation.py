@@ -39,12 +39,12 @@ VOCAB = 49152
     ],
 )
 def test_generate_rejects_bad_input(engine, prompts, params, match) -> None:
-    before = engine.stats().requests
+    before = engine.stats().counters.requests
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, params)
     with pytest.raises(ValueError, match=match):
         asyncio.run(engine.agenerate(prompts, params))
-    assert engine.stats().requests == before  # nothing was queued
+    assert engine.stats().counters.requests == before  # nothing was queued
 
 
 def test_sampling_params_reject_nonsense_at_construction() -> None:

@@ -145,8 +145,8 @@ def test_greedy_answers_do_not_depend_on_cache_batch_chunking_pages_or_preemptio
         assert [o.token_ids for o in outs] == reference, name
         assert_idle_accounting(eng)
     stats = configs["tiny pool"].stats()
-    assert stats.evicted_pages > 0 and stats.preemptions > 0
-    assert configs["cache on, batched"].stats().cached_tokens > 0
+    assert stats.counters.evicted_pages > 0 and stats.counters.preemptions > 0
+    assert configs["cache on, batched"].stats().counters.cached_tokens > 0
 
 
 def test_bfloat16_greedy_answers_equal_with_cache_on_off_and_batched(loaded_bf16: Any) -> None:

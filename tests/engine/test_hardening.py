@@ -143,17 +143,17 @@ def test_a_stream_closed_from_another_thread_aborts_its_request(engine) -> None:
 
 
 def test_breaking_out_of_an_unreferenced_stream_aborts_it(engine) -> None:
-    before = engine.stats().aborted
+    before = engine.stats().counters.aborted
     for _ in engine.stream("Tell me about mountains.", greedy(200, ignore_eos=True)):
         break
     assert_idle_accounting(engine)
-    assert engine.stats().aborted == before + 1
+    assert engine.stats().counters.aborted == before + 1
 
 
 def test_float16_on_the_cpu_warns_that_it_is_slow() -> None:
     import torch
 
-    from engine.serving.engine import warn_if_slow_dtype
+    from engine.model.build import warn_if_slow_dtype
 
     with pytest.warns(RuntimeWarning, match="float16 on the CPU runs several times slower"):
         warn_if_slow_dtype(torch.device("cpu"), torch.float16)

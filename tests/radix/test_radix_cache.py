@@ -51,16 +51,13 @@ def test_match_shorter_than_a_node_splits_it_so_node_ends_at_length() -> None:
     cache.check_invariants()
 
 
-def test_match_length_probes_without_splitting_or_refreshing_lru() -> None:
+def test_match_stops_at_the_last_whole_page_that_agrees() -> None:
     cache = RadixCache(page_size=2)
     cache.insert([1, 2, 3, 4, 5, 6], [0, 1, 2])
     cache.insert([7, 7], [3])
-    assert cache.match_length([1, 2, 3, 4, 9, 9]) == 4
-    assert cache.match_length([1, 2, 3, 4, 5, 6, 8]) == 6
-    assert cache.match_length([1, 2, 3, 4], namespace="other") == 0
-    assert cache.num_nodes == 2 and cache.stats["splits"] == 0
-    # [1..6] is still the least recently used leaf: the probe did not touch it.
-    assert cache.evict(3) == [0, 1, 2]
+    assert cache.match_prefix([1, 2, 3, 4, 9, 9]).length == 4
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 8]).length == 6
+    assert cache.match_prefix([1, 2, 3, 4], namespace="other").length == 0
     cache.check_invariants()
 
 

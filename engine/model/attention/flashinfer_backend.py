@@ -127,7 +127,7 @@ class FlashInferBackend(AttentionBackend):
         dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
         split = {"fixed_split_size": FIXED_SPLIT_PAGES} if self.deterministic else {}
         own = p.own
-        if p.is_decode and not self.deterministic:
+        if p.decode_shaped and not self.deterministic:
             self._decode.plan(
                 own.kv_indptr, own.kv_indices, own.kv_last_page_len, hq, hkv, d, p.page_size,
                 **dtypes,

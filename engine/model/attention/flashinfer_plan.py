@@ -72,7 +72,7 @@ class FlashInferPlan:
     append_batch_indices: torch.Tensor  # int32 [T]: each new token's request
     append_positions: torch.Tensor  # int32 [T]: its position in that request's KV
     shared: SharedPrefixes | None
-    is_decode: bool  # one query per request in ``own``
+    decode_shaped: bool  # one query per request in ``own``
     page_size: int
 
 
@@ -95,7 +95,7 @@ def plan_flashinfer(
         found = _shared_prefixes(fb, min_saved_tokens)
         if found is not None:
             shared, own = found
-    return FlashInferPlan(full, own, batch_indices, positions, shared, fb.is_decode, ps)
+    return FlashInferPlan(full, own, batch_indices, positions, shared, fb.decode_shaped, ps)
 
 
 def _shared_prefixes(

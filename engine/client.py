@@ -1,0 +1,69 @@
+"""The engine as its callers see it: ``EngineClient``, and ``PromptIds``, a prompt encoded and
+checked once.
+
+The HTTP server, ``ChatSession`` and the commands are written against this protocol; an
+``Engine`` in this process and ``cluster.remote.RemoteEngine`` (replicas behind a router)
+both implement it, so the server cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from engine.serving.handle import RequestHandle
+    from engine.serving.stats import EngineStats
+    from scheduler import SamplingParams
+
+
+class PromptIds(list[int]):
+    """A prompt's token ids as ``EngineClient.encode`` returned them: encoded and checked
+    against the model's vocabulary. ``submit`` takes them without encoding or checking them
+    again (only what depends on the request's parameters, the context and pool fit, is
+    checked then). A list, so it compares, serialises and travels as one; whoever makes one
+    by hand, or changes one, vouches for its ids."""
+
+    __slots__ = ()
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What a front end needs of an engine."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def model_config(self) -> Any: ...
+
+    @property
+    def max_context(self) -> int:
+        """Prompt + generated tokens one request may hold."""
+        ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
+        """The checked token ids of one prompt (text, ids or chat messages); ValueError
+        names ``field``."""
+        ...
+
+    def submit(
+        self,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        namespace: str | None = None,
+        stream: bool = False,
+    ) -> RequestHandle:
+        """Queues one request (a prompt, or ``PromptIds`` from ``encode``); returns at once."""
+        ...
+
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
+

@@ -1,0 +1,251 @@
+"""Every knob of one engine, as one frozen record checked once: ``EngineConfig``.
+
+The Python API (``Engine(config, **overrides)``), the three commands (``radixkv chat``,
+``generate``, ``serve``, and ``serve --replicas``, which ships the record to each replica) and
+the benchmarks all build this one record; the command-line flags are made from its fields
+(``add_arguments`` / ``from_args``), so a new knob is a field here and nowhere else. It imports
+neither torch nor the model: a front end or a router can read it without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from scheduler import SchedulerConfig
+
+BACKENDS = ("torch", "flashinfer")  # attention backends by name ("auto" picks one)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How one engine is built. ``scheduler`` holds the scheduler's knobs (page size, batch
+    limits, policy, prefix caching, tuning); ``Engine(page_size=32)`` and the flags reach them
+    by their plain names (``EngineConfig.make``).
+
+    ``model``: None (the bundled SmolLM2-135M-Instruct), a HF Llama-family checkpoint
+    directory or a .gguf file. The KV pool holds ``num_pages`` pages, or as many as fit in
+    ``kv_cache_bytes`` (default: 1 GiB or an eighth of the memory on the CPU, a share of the
+    free memory on CUDA). Below it, evicted pages go to host memory (``kv_host_bytes``) and
+    page files in ``kv_disk_dir`` (within ``kv_disk_bytes``: default half the free space, at
+    most 16 GiB). On the CPU, prefill-sized passes run on ``threads`` threads (None: every
+    core) and decode steps on one. ``batch_invariant`` (the CPU's default) makes greedy answers
+    independent of the batch, the cache and the page size. ``dtype=None`` picks the faster of
+    float32 and bfloat16 as measured on this CPU.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    num_pages: int | None = None
+    kv_cache_bytes: int | None = None
+    backend: str = "auto"
+    threads: int | None = None
+    batch_invariant: bool = True
+    kv_host_bytes: int | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self) -> None:
+        _check_model(self.model)
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device: expected cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"dtype: unsupported {self.dtype!r} (float32, bfloat16, float16, auto)")
+        if self.num_pages is not None and self.kv_cache_bytes is not None:
+            raise ValueError("num_pages, kv_cache_bytes: give at most one of them")
+        _optional_int("num_pages", self.num_pages, 1)
+        _optional_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ValueError(
+                f"backend: unknown {self.backend!r}; available: auto, {', '.join(BACKENDS)}"
+            )
+        _optional_int("threads", self.threads, 1)
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant: must be a bool, got {self.batch_invariant!r}")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(
+                f"scheduler: expected a SchedulerConfig, got {type(self.scheduler).__name__}"
+            )
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise ValueError(f"{name}: must be an int >= 0 (bytes), got {value!r}")
+        directory = self.kv_disk_dir
+        if directory is not None and not isinstance(directory, str):
+            raise ValueError(f"kv_disk_dir: must be a path, got {type(directory).__name__}")
+        if directory is not None and not directory:
+            raise ValueError("kv_disk_dir: must be a non-empty path")
+        if self.kv_disk_bytes is not None and directory is None:
+            raise ValueError("kv_disk_bytes: needs kv_disk_dir (where the pages go)")
+        if self.tiered and not self.scheduler.prefix_cache:
+            raise ValueError(
+                "kv_host_bytes, kv_disk_dir: KV tiers need prefix_cache=True (nothing is cached)"
+            )
+        if directory is not None:
+            path = Path(directory).expanduser()
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"kv_disk_dir: {directory!r} exists and is not a directory")
+
+    # ------------------------------------------------------------------ the scheduler's knobs
+
+    @property
+    def page_size(self) -> int:
+        return self.scheduler.page_size
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.scheduler.prefix_cache
+
+    @property
+    def tiered(self) -> bool:
+        """Whether any KV tier below the pool is asked for."""
+        return bool(self.kv_host_bytes) or self.kv_disk_dir is not None
+
+    # -------------------------------------------------------------------------- building
+
+    @classmethod
+    def make(cls, **knobs: Any) -> EngineConfig:
+        """A config from plain knob names, the scheduler's included (``page_size=32``,
+        ``max_running=8``); ValueError names an unknown one."""
+        return cls().replace(**knobs)
+
+    def replace(self, **knobs: Any) -> EngineConfig:
+        """This config with ``knobs`` changed (plain names, as ``make``), checked again."""
+        own: dict[str, Any] = {}
+        scheduler: dict[str, Any] = {}
+        for name, value in knobs.items():
+            if name in SCHEDULER_KNOBS:
+                scheduler[name] = value
+            elif name in ENGINE_KNOBS:
+                own[name] = _plain(name, value)
+            else:
+                raise ValueError(
+                    f"{name}: not an Engine or SchedulerConfig option; options: "
+                    f"{', '.join(sorted(ENGINE_KNOBS + SCHEDULER_KNOBS))}"
+                )
+        if scheduler:
+            own["scheduler"] = msgspec.structs.replace(self.scheduler, **scheduler)
+        return msgspec.structs.replace(self, **own)
+
+    def knobs(self) -> dict[str, Any]:
+        """Every knob by its plain name (what ``make`` takes back)."""
+        values = {name: getattr(self, name) for name in ENGINE_KNOBS}
+        values.update(msgspec.structs.asdict(self.scheduler))
+        return values
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The engine's flags: every command that builds an engine has these same ones."""
+        add_arguments(parser)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **defaults: Any) -> EngineConfig:
+        """The config the flags of ``add_arguments`` describe (``defaults`` where a flag was
+        not given); ValueError names the knob (``page_size``, not ``--page-size``)."""
+        return from_args(args, **defaults)
+
+
+ENGINE_KNOBS = tuple(f for f in EngineConfig.__struct_fields__ if f != "scheduler")
+SCHEDULER_KNOBS = SchedulerConfig.__struct_fields__
+
+
+def _plain(name: str, value: Any) -> Any:
+    """Paths as str and torch dtypes by name, so the record stays plain data (it travels to
+    replicas and into cache keys)."""
+    if name in ("model", "kv_disk_dir") and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if name == "dtype" and value is not None and not isinstance(value, str):
+        text = str(value)
+        return text.removeprefix("torch.") if text.startswith("torch.") else value
+    return value
+
+
+def _check_model(model: Any) -> None:
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ValueError(
+            f"model: expected a checkpoint directory or .gguf path (str), got "
+            f"{type(model).__name__}"
+        )
+    if not model:
+        raise ValueError("model: empty path; pass None for the bundled model")
+
+
+def _optional_int(name: str, value: Any, low: int) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+        raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- the flags
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """``123``, ``512M``, ``2G``, ``1.5GiB`` -> bytes (powers of 1024)."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = _UNITS.get(value[-1:], 1)
+    if scale > 1:
+        value = value[:-1]
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (must be >= 0)")
+    return int(number * scale)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (every command that builds an engine has the same ones); their
+    defaults are None, so ``from_args`` changes only what was given."""
+    group = parser.add_argument_group("engine")
+    add = group.add_argument
+    add("--model", help="HF Llama-family checkpoint directory or .gguf file (default: bundled "
+        "SmolLM2-135M)")
+    add("--device", help="cpu, cuda, cuda:N or auto (default)")
+    add("--dtype", help="float32, bfloat16 or float16 (slow on a CPU); default: measured on "
+        "this machine")
+    add("--page-size", type=int, metavar="N", help="tokens per KV page (default 16)")
+    add("--num-pages", type=int, metavar="N", help="KV cache size in pages")
+    add("--kv-cache-bytes", type=byte_size, metavar="SIZE",
+        help="KV cache size in bytes, e.g. 2G (default: 1G or an eighth of the memory on a CPU)")
+    add("--max-running", type=int, metavar="N", help="requests running at once (default 64)")
+    add("--max-batch-tokens", type=int, metavar="N", help="tokens per step (default 1024)")
+    add("--policy", choices=("fcfs", "lpm", "dfs-weight"),
+        help="order of waiting requests (default lpm: longest cached prefix first)")
+    add("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+        help="reuse nothing across requests (the baseline)")
+    add("--backend", choices=("auto", *BACKENDS), help="attention backend (default auto)")
+    add("--threads", type=int, metavar="N", help="CPU threads for prefill (default: all cores)")
+    add("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None,
+        help="faster kernels whose greedy answers may depend on the batch and the cache")
+    add("--kv-host-bytes", type=byte_size, metavar="SIZE",
+        help="host-memory tier under the KV pool, e.g. 2G (default: off)")
+    add("--kv-disk-dir", metavar="DIR",
+        help="disk tier under the KV pool (kept across restarts; default: off)")
+    add("--kv-disk-bytes", type=byte_size, metavar="SIZE",
+        help="disk tier budget, e.g. 20G (default: half the free space, at most 16G)")
+
+
+def from_args(args: argparse.Namespace, **defaults: Any) -> EngineConfig:
+    """The config ``add_arguments``' flags describe; ``defaults`` (plain knob names) apply
+    where a flag was not given. ValueError names the knob (``page_size``, not the flag)."""
+    given = {
+        name: getattr(args, name)
+        for name in (*ENGINE_KNOBS, *SCHEDULER_KNOBS)
+        if getattr(args, name, None) is not None
+    }
+    return EngineConfig.make(**{**defaults, **given})

@@ -1,0 +1,37 @@
+"""What the HTTP server sets beyond the engine, as one checked record: ``ServerConfig``."""
+
+from __future__ import annotations
+
+import msgspec
+
+MAX_BODY_BYTES = 4 << 20
+MAX_CHOICES = 256
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The API's model names, its key, and the limits it answers 4xx/5xx by."""
+
+    model_name: str = "SmolLM2-135M-Instruct"
+    extra_model_names: list[str] = []
+    api_key: str | None = None
+    # Requests waiting for admission beyond which new ones get 503 + Retry-After (None: no
+    # limit, as vLLM).
+    max_queued: int | None = None
+    # Bodies over this many bytes get 413 before they are parsed (OpenAI's own limit is
+    # larger, but no prompt that fits this model's context comes near it).
+    max_body_bytes: int = MAX_BODY_BYTES
+    # Engine requests (prompts x n) one HTTP request may add: 400 beyond it.
+    max_choices: int = MAX_CHOICES
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name: must not be empty")
+        for name in ("max_queued", "max_body_bytes", "max_choices"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+
+    @property
+    def names(self) -> list[str]:
+        """Every name the API answers to, the main one first."""
+        return [self.model_name, *self.extra_model_names]

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from workloads.replica_bench import free_port
+from workloads.http_bench.replicas import free_port
 
 
 class ServerProcess:

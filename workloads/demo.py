@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
-from workloads.corpus import Corpus
-from workloads.text import TextSource
+from workloads.traces.corpus import Corpus
+from workloads.traces.text import TextSource
 
 CHAT_SYSTEM = (
     "You are a concise assistant for Python programmers. Answer in two or three sentences and "
@@ -178,8 +178,7 @@ def main(argv: Sequence[str] | None = None) -> list[DemoRow]:
     started = time.perf_counter()
     import torch
 
-    from engine import Engine, SamplingParams
-    from engine.model.loader import load_model
+    from engine import Engine, SamplingParams, load_model
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

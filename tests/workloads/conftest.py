@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from workloads.text import TextSource
-from workloads.tokenizer import load_tokenizer
+from workloads.traces.text import TextSource
+from workloads.traces.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,239 @@
+"""``python -m workloads.replica_bench``: replicas behind each router, end to end.
+
+For every repeat and router (interleaved: A B C A B C), starts ``radixkv serve --replicas N
+--router R`` (a local Ray cluster, one core per replica, small KV pools so that a trace does
+not fit in one replica), drives each workload through the serving benchmark
+(``workloads.serve_bench``: Poisson arrivals, streamed requests), reads the requests each
+replica served from the front end's ``/v1/replicas``, and stops the server. Prints one row
+per workload and router: medians over the repeats.
+
+    python -m workloads.replica_bench                       # 2 replicas, 3 routers, 2 repeats
+    python -m workloads.replica_bench --routers cache_aware power_of_two --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from workloads.http_bench import bench as serve_bench
+
+ROUTERS = ("cache_aware", "prefix_affinity", "power_of_two")
+# Sized for a 2-core machine: each trace's distinct prefixes fill more than one replica's pool.
+# Arrivals are serve_bench's (--request-rate), not the traces' own.
+WORKLOADS: dict[str, list[str]] = {
+    "tenants": ["tenants=12", "sessions=48", "turns=2"],
+    "rag": ["documents=12", "doc_tokens=320", "requests=64"],
+}
+
+
+@dataclass
+class ReplicaRun:
+    workload: str
+    router: str
+    repeat: int
+    hit_rate: float
+    request_throughput: float
+    output_throughput: float
+    ttft_p50: float
+    ttft_p99: float
+    failed: int
+    per_replica: list[int]  # requests each replica served, busiest first
+
+    @property
+    def imbalance(self) -> float:
+        mean = sum(self.per_replica) / len(self.per_replica)
+        return self.per_replica[0] / mean if mean else 1.0
+
+
+def free_port() -> int:
+    """A free loopback port below the OS's ephemeral range and above Ray's worker ports
+    (10002-19999): a port the OS handed out could be taken by one of Ray's many processes
+    before the server binds it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+class ReplicaServer:
+    """``radixkv serve --replicas N`` as a subprocess on a free loopback port."""
+
+    def __init__(self, args: list[str], ready_timeout: float = 300.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="radixkv-replicas-", suffix=".log")
+        command = [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *args,
+        ]
+        self.process = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited early:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server was not ready in {ready_timeout} s")
+
+    def replicas(self) -> dict[str, dict[str, Any]]:
+        return httpx.get(self.url + "/v1/replicas", timeout=10).json()
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def served(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> list[int]:
+    def requests(stats: dict[str, Any]) -> int:
+        return stats.get("counters", {}).get("requests", 0)
+
+    counts = [requests(after[name]) - requests(before.get(name, {})) for name in after]
+    return sorted(counts, reverse=True)
+
+
+def run_once(
+    server: ReplicaServer, workload: str, router: str, repeat: int, seed: int, rate: str = "inf"
+) -> ReplicaRun:
+    before = server.replicas()
+    argv = ["--url", server.url, "--workload", workload, "--seed", str(seed), "--quiet"]
+    argv += ["--request-rate", rate]
+    for item in WORKLOADS[workload]:
+        argv += ["--set", item]
+    report = serve_bench.main(argv)
+    time.sleep(1.5)  # the replicas publish their stats every 0.5 s
+    summary = report.rates[0].median
+    return ReplicaRun(
+        workload,
+        router,
+        repeat,
+        summary.hit_rate or 0.0,
+        summary.request_throughput,
+        summary.output_throughput,
+        summary.ttft.p50,
+        summary.ttft.p99,
+        summary.failed,
+        served(before, server.replicas()),
+    )
+
+
+def format_table(runs: Sequence[ReplicaRun]) -> str:
+    groups: dict[tuple[str, str], list[ReplicaRun]] = defaultdict(list)
+    for run in runs:
+        groups[(run.workload, run.router)].append(run)
+    header = (
+        "| workload | router | runs | hit rate | req/s | output tok/s | TTFT p50 s | "
+        "TTFT p99 s | requests per replica | imbalance |"
+    )
+    lines = [header, "|" + "---|" * 10]
+    for (workload, router), items in groups.items():
+
+        def med(attr: str, items: list[ReplicaRun] = items) -> float:
+            return statistics.median(getattr(r, attr) for r in items)
+
+        per = [
+            statistics.median(r.per_replica[i] for r in items)
+            for i in range(len(items[0].per_replica))
+        ]
+        lines.append(
+            f"| {workload} | {router} | {len(items)} | {med('hit_rate'):.1%} | "
+            f"{med('request_throughput'):.2f} | {med('output_throughput'):.1f} | "
+            f"{med('ttft_p50'):.2f} | {med('ttft_p99'):.2f} | "
+            f"{' / '.join(f'{n:g}' for n in per)} | {med('imbalance'):.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> list[ReplicaRun]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--num-pages", type=int, default=192, help="KV pages per replica")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--request-rate", default="inf",
+        help="sessions per second, Poisson (serve_bench's; inf: all at once, an overload)",
+    )
+    parser.add_argument("--json", default=None, help="also write every run here")
+    args = parser.parse_args(argv)
+    runs: list[ReplicaRun] = []
+    for repeat in range(args.repeats):
+        for router in args.routers:
+            server = ReplicaServer(
+                [
+                    "--replicas",
+                    str(args.replicas),
+                    "--threads",
+                    "1",
+                    "--router",
+                    router,
+                    "--num-pages",
+                    str(args.num_pages),
+                ]
+            )
+            try:
+                for workload in args.workloads:
+                    run = run_once(server, workload, router, repeat, args.seed, args.request_rate)
+                    runs.append(run)
+                    print(format_table([run]).splitlines()[-1], flush=True)
+            finally:
+                server.stop()
+    print()
+    print(format_table(runs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in runs], f, indent=1)
+    return runs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Micro-benchmark: our paged forward against transformers' own forward on the same inputs.
+
+``python -m workloads.model_bench`` prints prefill tokens/s (one request of 128/512/2048
+tokens) and decode tokens/s (batch 1/8/32, 512 tokens of context each) for our forward
+batch-invariant (``exact``, the default) and not (``fast``), beside transformers' and beside
+the case's floor: decode is bounded by reading the weights and the KV once per step at the measured memory
+bandwidth, prefill by its FLOPs at the measured matrix-product peak (the faster of torch's
+BLAS and our products, with the same threads). Configurations are
+interleaved and the median of repeats is quoted, because CPU speed drifts from minute to
+minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine import KVPool, load_hf_reference, load_model
+from engine.model.products import PackedWeight, load_products
+from engine.model.runner import ModelRunner
+from engine.model.threads import ThreadPolicy
+from scheduler import SamplingParams
+from scheduler.batch import Batch, BatchEntry
+from scheduler.request import Request
+
+
+@dataclass
+class Row:
+    case: str
+    tokens: int
+    seconds: dict[str, float]  # median seconds per configuration
+    floor_s: float  # the machine's limit for this case
+
+    def tok_s(self, name: str) -> float:
+        return self.tokens / self.seconds[name]
+
+
+class OursCase:
+    """Prefill or decode through ModelRunner.forward with a paged pool."""
+
+    def __init__(
+        self, loaded: Any, page_size: int, num_tokens: int, exact: bool = True,
+        threads: int | None = None,
+    ) -> None:
+        cfg = loaded.config
+        self.ps = page_size
+        num_pages = -(-num_tokens // page_size) + 64
+        pool = KVPool(
+            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+        )
+        self.runner = ModelRunner(
+            loaded, pool, threads=ThreadPolicy.default(threads), batch_invariant=exact
+        )
+
+    def prefill(self, ids: list[int]) -> Callable[[], None]:
+        req = Request(0, ids, SamplingParams(max_new_tokens=1))
+        pages = list(range(-(-len(ids) // self.ps)))
+        batch = Batch([BatchEntry.on_pages(req, ids, 0, pages, self.ps)], self.ps)
+
+        def run() -> None:
+            self.runner.forward(batch)
+
+        return run
+
+    def decode(self, contexts: list[list[int]], steps: int) -> Callable[[], None]:
+        ps = self.ps
+        per_req = -(-(len(contexts[0]) + steps) // ps)
+        reqs = [Request(i, c, SamplingParams(max_new_tokens=steps)) for i, c in enumerate(contexts)]
+        tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(reqs))]
+        for r, t in zip(reqs, tables):  # untimed: fill the pool with each context
+            self.runner.forward(Batch([BatchEntry.on_pages(r, r.prompt, 0, t, ps)], ps))
+
+        def run() -> None:
+            for r in reqs:
+                r.output = [0]
+            for s in range(steps):
+                n = len(reqs[0].prompt) + s
+                entries = [BatchEntry.on_pages(r, [7], n, t, ps) for r, t in zip(reqs, tables)]
+                self.runner.forward(Batch(entries, ps))
+
+        return run
+
+
+def hf_prefill(hf: Any, ids: list[int]) -> Callable[[], None]:
+    x = torch.tensor([ids])
+
+    def run() -> None:
+        hf(x, logits_to_keep=1)
+
+    return run
+
+
+def hf_decode(hf: Any, contexts: list[list[int]], steps: int) -> Callable[[], None]:
+    """transformers' contiguous per-request cache: prefill untimed, then ``steps`` decodes."""
+    x = torch.tensor(contexts)
+
+    def run() -> None:
+        past = hf(x[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+        step_ids = torch.full((x.shape[0], 1), 7)
+        start = time.perf_counter()
+        for _ in range(steps):
+            past = hf(step_ids, past_key_values=past, use_cache=True).past_key_values
+        run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
+
+    return run
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return getattr(fn, "elapsed", None) or (time.perf_counter() - start)
+
+
+def measure(
+    cases: list[tuple[str, int, float, dict[str, Callable[[], None]]]], repeats: int
+) -> list[Row]:
+    """Interleave the configurations of each case (rotating their order) and repeat; medians."""
+    times: dict[str, dict[str, list[float]]] = {
+        c: {name: [] for name in fns} for c, _, _, fns in cases
+    }
+    for _, _, _, fns in cases:  # warm-up
+        for fn in fns.values():
+            fn()
+    for rep in range(repeats):
+        for case, _, _, fns in cases:
+            names = list(fns)
+            names = names[rep % len(names) :] + names[: rep % len(names)]
+            for name in names:
+                times[case][name].append(_timed(fns[name]))
+    return [
+        Row(case, n, {k: statistics.median(v) for k, v in times[case].items()}, floor)
+        for case, n, floor, _ in cases
+    ]
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s torch's threads read from memory (a sum over 512 MB: far past any cache)."""
+    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def matmul_peak(dtype: torch.dtype) -> float:
+    """FLOP/s of a large matrix product with ``dtype`` weights on the current threads: the
+    faster of torch's (the vendor BLAS) and ours."""
+    a = torch.randn(1024, 576)
+    b = torch.randn(576, 3072).to(dtype)
+    runs: list[Callable[[], object]] = [lambda: torch.matmul(a.to(dtype), b)]
+    kernel = load_products()
+    if kernel is not None and dtype in (torch.float32, torch.bfloat16):
+        packed = PackedWeight(kernel, b.t().contiguous())
+        runs.append(lambda: packed(a, threads=torch.get_num_threads()))
+    best = float("inf")
+    for run in runs:
+        for _ in range(3):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+    return 2 * 1024 * 576 * 3072 / best
+
+
+def model_bytes(loaded: Any) -> int:
+    """Bytes a decode step must read once: every linear weight, the LM head included."""
+    total = 0
+    for name, p in loaded.model.named_parameters():
+        if "embed_tokens" not in name:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(loaded: Any, tokens: int) -> int:
+    cfg = loaded.config
+    per_token = KVPool.bytes_per_page(
+        cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+    )
+    return per_token * tokens
+
+
+def prefill_flops(loaded: Any, n: int) -> float:
+    """Linear layers for n tokens (LM head for the last one) plus causal attention."""
+    cfg = loaded.config
+    linear = 0
+    for name, p in loaded.model.named_parameters():
+        if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name:
+            linear += p.numel()
+    head = cfg.vocab_size * cfg.hidden_size
+    attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+    return 2 * linear * n + 2 * head + attention
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m workloads.model_bench", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: auto)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[128, 512, 2048])
+    ap.add_argument("--decode-batch", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-transformers", action="store_true", help="skip the reference")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(None, "cpu", args.dtype)
+    hf = None if args.no_transformers else load_hf_reference().to(loaded.dtype)
+    gen = torch.Generator().manual_seed(0)
+    vocab = loaded.config.vocab_size
+
+    def rand_ids(n: int) -> list[int]:
+        return torch.randint(100, vocab, (n,), generator=gen).tolist()
+
+    bandwidth = memory_bandwidth()
+    peak = matmul_peak(loaded.dtype)
+    weights = model_bytes(loaded)
+    cases: list[tuple[str, int, float, dict[str, Callable[[], None]]]] = []
+    need = max([*args.prefill, 1])  # the prefill cases' pools; decode cases size their own
+    exact = OursCase(loaded, args.page_size, need, exact=True, threads=args.threads)
+    fast = OursCase(loaded, args.page_size, need, exact=False, threads=args.threads)
+    steps = args.decode_steps
+    with torch.inference_mode():
+        for n in args.prefill:
+            ids = rand_ids(n)
+            fns = {"exact": exact.prefill(ids), "fast": fast.prefill(ids)}
+            if not args.no_transformers:
+                fns["transformers"] = hf_prefill(hf, ids)
+            cases.append((f"prefill {n}", n, prefill_flops(loaded, n) / peak, fns))
+        for b in args.decode_batch:
+            ctx = [rand_ids(args.context) for _ in range(b)]
+            fns = {
+                "exact": OursCase(
+                    loaded, args.page_size, b * (args.context + steps), threads=args.threads
+                ).decode(ctx, steps),
+                "fast": OursCase(
+                    loaded, args.page_size, b * (args.context + steps), exact=False,
+                    threads=args.threads,
+                ).decode(ctx, steps),
+            }
+            if not args.no_transformers:
+                fns["transformers"] = hf_decode(hf, ctx, steps)
+            step_bytes = weights + kv_bytes(loaded, b * (args.context + steps // 2))
+            floor = steps * step_bytes / bandwidth
+            cases.append((f"decode b={b} ctx={args.context}", b * steps, floor, fns))
+        rows = measure(cases, args.repeats)
+    print(
+        f"model_bench: dtype={loaded.dtype}, product threads={exact.runner.product_threads}, "
+        f"page_size={args.page_size}, exact attention: {exact.runner.backend.kernel_name}, "
+        f"products: {loaded.model.products or 'torch'}, "
+        f"median of {args.repeats} interleaved repeats; "
+        f"measured: memory {bandwidth / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.1f} GFLOP/s"
+    )
+    names = list(rows[0].seconds)
+    header = "".join(f"{n + ' tok/s':>20}" for n in names)
+    print(f"{'case':<22}{header}{'floor tok/s':>14}{'exact/floor':>13}{'exact/fast':>12}")
+    for r in rows:
+        vals = "".join(f"{r.tok_s(n):>20.1f}" for n in names)
+        floor_tok_s = r.tokens / r.floor_s
+        print(
+            f"{r.case:<22}{vals}{floor_tok_s:>14.1f}"
+            f"{r.seconds['exact'] / r.floor_s:>12.2f}x{r.tok_s('exact') / r.tok_s('fast'):>12.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

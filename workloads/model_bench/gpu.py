@@ -1,0 +1,297 @@
+"""The GPU measurements of the FlashInfer path, printed as Markdown tables for the record.
+
+``python -m workloads.model_bench.gpu --model DIR [--exactness-model DIR]`` on a CUDA machine:
+
+- **decode attention** (one layer, FlashInfer's decode kernel) against its floor: the KV bytes
+  it must read at the measured HBM bandwidth (a device-to-device copy's);
+- **decode steps and prefill** of the whole model (``--model``) against their floors (weights
+  and KV read once per step; prefill FLOPs at the measured bf16 matrix-product peak);
+- **shared-prefix workload**, cache on vs off (8 groups x 8 requests on 1,000-token prefixes);
+- **exactness**: greedy answers with the cache on vs off and alone vs batched, and whether a
+  prompt's logits are bit-identical alone and inside a batch, with FlashInfer's default
+  settings and its deterministic ones (``batch_invariant=True``: fixed split size, no cascade).
+
+Speed is reported, never asserted; timings are CUDA-event medians after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from engine import KVPool, load_model
+from engine.model.attention.flashinfer_backend import FlashInferBackend, flashinfer_ops
+from engine.model.forward_batch import ForwardBatch
+from engine.model.runner import ModelRunner
+from scheduler import SamplingParams
+from scheduler.batch import Batch, BatchEntry
+from scheduler.request import Request
+
+
+def cuda_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def hbm_bandwidth() -> float:
+    """Bytes/s moved (read + write) by a 4 GiB device-to-device copy."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / cuda_time(lambda: dst.copy_(src))
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / cuda_time(lambda: a @ a)
+
+
+def table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def decode_batch(lengths: list[int], page_size: int) -> Batch:
+    """One decode entry per request, each on its own consecutive pages."""
+    entries, page = [], 0
+    for i, n in enumerate(lengths):
+        need = -(-n // page_size)
+        req = Request(i, [7] * n, SamplingParams(max_new_tokens=2), output=[7])
+        entries.append(
+            BatchEntry.on_pages(req, [7], n - 1, list(range(page, page + need)), page_size)
+        )
+        page += need
+    return Batch(entries, page_size)
+
+
+def random_ids(seed: int, vocab: int) -> Callable[[int], list[int]]:
+    """``ids(n)``: n token ids drawn from a generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda n: torch.randint(100, vocab, (n,), generator=gen).tolist()
+
+
+def attention_rows(bandwidth: float) -> list[list[object]]:
+    """One layer of decode attention (SmolLM2's heads and a 1B Llama's) against KV bytes / BW."""
+    rows: list[list[object]] = []
+    ps = 16
+    for hq, hkv, d in ((9, 3, 64), (32, 8, 64)):
+        for b, ctx in ((1, 2048), (8, 2048), (32, 2048), (128, 2048), (32, 8192)):
+            pages = b * -(-ctx // ps) + 1
+            pool = KVPool(1, pages, ps, hkv, d, torch.bfloat16, "cuda")
+            batch = decode_batch([ctx] * b, ps)
+            fb = ForwardBatch.from_batch(batch, "cuda")
+            backend = FlashInferBackend(
+                hq, hkv, d, torch.device("cuda"), flashinfer_ops(), torch.bfloat16
+            )
+            backend.plan(fb)
+            q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, hkv, d, device="cuda", dtype=torch.bfloat16)
+            seconds = cuda_time(partial(backend.run, 0, q, k, k, pool))
+            kv_bytes = 2 * b * ctx * hkv * d * 2
+            floor = kv_bytes / bandwidth
+            rows.append(
+                [f"{hq}/{hkv}x{d}", b, ctx, f"{seconds * 1e6:.1f}", f"{floor * 1e6:.1f}",
+                 f"{seconds / floor:.2f}x"]
+            )
+    return rows
+
+
+def weight_bytes(loaded: Any) -> int:
+    """Bytes of every matrix a decode step reads once (the LM head counted, tied or not)."""
+    counted = [p for n, p in loaded.model.named_parameters()
+               if p.dim() == 2 and "embed_tokens" not in n]
+    total = sum(p.numel() * p.element_size() for p in counted)
+    head = loaded.model.lm_head.weight
+    if not any(head is p for p in counted):  # tied to the embedding: not listed again
+        total += head.numel() * head.element_size()
+    return total
+
+
+def shared_decode_batch(b: int, ctx: int, page_size: int) -> Batch:
+    """``b`` decodes whose first ``ctx // page_size`` pages are the same (a cached prompt),
+    each with a last page of its own."""
+    prefix = list(range((ctx - 1) // page_size))
+    entries = []
+    for i in range(b):
+        req = Request(i, [7] * ctx, SamplingParams(max_new_tokens=2), output=[7])
+        entries.append(BatchEntry.on_pages(req, [7], ctx - 1, prefix + [len(prefix) + i], page_size))
+    return Batch(entries, page_size)
+
+
+def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]:
+    """Decode steps (own pages; all on one shared prefix: the cascade's case) and prefill."""
+    cfg = loaded.config
+    weights = weight_bytes(loaded)
+    ps = 16
+    kv_token = KVPool.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
+                                     loaded.dtype)
+    rows: list[list[object]] = []
+    for shared in (False, True):
+        for b, ctx in ((1, 512), (8, 512), (32, 512), (64, 2048)):
+            pages = b * -(-(ctx + 1) // ps) + 8
+            pool = KVPool(
+                cfg.num_layers, pages, ps, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, "cuda"
+            )
+            runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=False)
+            if shared:
+                batch = shared_decode_batch(b, ctx, ps)
+                kv = kv_token * (ctx + b * ps)
+            else:
+                batch = decode_batch([ctx] * b, ps)
+                kv = kv_token * b * ctx
+            step = cuda_time(partial(runner.forward, batch))
+            floor = (weights + kv) / bandwidth
+            name = "decode, one shared prefix" if shared else "decode, own pages"
+            rows.append([name, b, ctx, f"{step * 1e3:.2f}", f"{b / step:.0f}",
+                         f"{floor * 1e3:.3f}", f"{step / floor:.2f}x"])
+    head = loaded.model.lm_head.weight
+    params = (weights - head.numel() * head.element_size()) / head.element_size()
+    for n in (512, 2048, 8192):
+        pool = KVPool(cfg.num_layers, -(-n // ps) + 8, ps, cfg.num_kv_heads, cfg.head_dim,
+                      loaded.dtype, "cuda")
+        runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=False)
+        req = Request(0, [7] * n, SamplingParams(max_new_tokens=1))
+        batch = Batch([BatchEntry.on_pages(req, [7] * n, 0, list(range(-(-n // ps))), ps)], ps)
+        seconds = cuda_time(partial(runner.forward, batch), repeats=5)
+        flops = 2 * params * n + 2 * head.numel() + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+        floor = flops / peak
+        rows.append(["prefill", 1, n, f"{seconds * 1e3:.2f}", f"{n / seconds:.0f}",
+                     f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}x"])
+    return rows
+
+
+def shared_prefix_rows(loaded: Any) -> list[list[object]]:
+    """8 groups x 8 requests, 1,000-token prefix each, 60-token questions, 32 tokens out."""
+    from engine import Engine
+
+    ids = random_ids(0, loaded.config.vocab_size)
+
+    prompts = [p + ids(60) for p in (ids(1000) for _ in range(8)) for _ in range(8)]
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    rows: list[list[object]] = []
+    results = {}
+    for cache in (False, True, False, True):
+        with Engine(model=loaded, backend="flashinfer", prefix_cache=cache,
+                    batch_invariant=False, num_pages=16384) as engine:
+            engine.generate(prompts[:2], params)  # warm-up (kernels, allocator)
+            start = time.perf_counter()
+            engine.generate(prompts, params, namespace=f"run-{time.time()}")
+            seconds = time.perf_counter() - start
+            hit = engine.stats().hit_rate
+        results.setdefault(cache, []).append((seconds, hit))
+    for cache, runs in results.items():
+        s = statistics.median(r[0] for r in runs)
+        rows.append(["on" if cache else "off", f"{s:.2f}", f"{64 * 32 / s:.0f}",
+                     f"{runs[-1][1]:.1%}"])
+    speedup = statistics.median(r[0] for r in results[False]) / statistics.median(
+        r[0] for r in results[True])
+    rows.append(["on vs off", f"{speedup:.2f}x faster", "", ""])
+    return rows
+
+
+def exactness_rows(loaded: Any) -> list[list[object]]:
+    """Greedy answers cache on vs off and alone vs batched; logits alone vs batched."""
+    from engine import Engine
+
+    ids = random_ids(1, loaded.config.vocab_size)
+
+    shared = ids(400)
+    prompts = [shared + ids(10 + 7 * i) for i in range(12)] + [ids(50 + 30 * i) for i in range(4)]
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    rows: list[list[object]] = []
+    for invariant in (False, True):
+        answers = {}
+        for name, cache, together in (
+            ("cache on, batched", True, True),
+            ("cache off, batched", False, True),
+            ("cache off, alone", False, False),
+        ):
+            with Engine(model=loaded, backend="flashinfer", prefix_cache=cache,
+                        batch_invariant=invariant, num_pages=8192) as engine:
+                if together:
+                    engine.generate(prompts[:1], params)
+                    outs = engine.generate(prompts, params)
+                else:
+                    outs = [engine.generate([p], params)[0] for p in prompts]
+                answers[name] = [o.token_ids for o in outs]
+        base = answers["cache off, alone"]
+        for name in ("cache on, batched", "cache off, batched"):
+            same = sum(a == b for a, b in zip(answers[name], base))
+            rows.append([f"batch_invariant={invariant}", f"{name} vs alone",
+                         f"{same}/{len(prompts)}"])
+        rows.append([f"batch_invariant={invariant}", "logits alone vs in a batch of 16",
+                     logits_identical(loaded, prompts, invariant)])
+    return rows
+
+
+def logits_identical(loaded: Any, prompts: list[list[int]], invariant: bool) -> str:
+    """Each prompt's last-token logits from a pass of its own vs from one pass of all."""
+    cfg = loaded.config
+    ps = 16
+    need = sum(-(-len(p) // ps) for p in prompts) + 8
+    pool = KVPool(cfg.num_layers, need, ps, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, "cuda")
+    runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=invariant)
+    entries, page = [], 0
+    for i, p in enumerate(prompts):
+        n = -(-len(p) // ps)
+        entries.append(BatchEntry.on_pages(
+            Request(i, p, SamplingParams(max_new_tokens=1)), p, 0, list(range(page, page + n)), ps
+        ))
+        page += n
+    together = runner.forward(Batch(entries, ps))
+    same = sum(
+        torch.equal(runner.forward(Batch([e], ps))[0], together[i]) for i, e in enumerate(entries)
+    )
+    return f"{same}/{len(prompts)} bit-identical"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint for speed (default: bundled)")
+    ap.add_argument("--exactness-model", default=None, help="checkpoint for exactness")
+    ap.add_argument("--skip", nargs="*", default=[], help="attention model workload exactness")
+    args = ap.parse_args(argv)
+    import flashinfer
+
+    props = torch.cuda.get_device_properties(0)
+    bandwidth, peak = hbm_bandwidth(), matmul_peak()
+    print(f"device: {props.name}, torch {torch.__version__}, flashinfer {flashinfer.__version__}; "
+          f"measured HBM {bandwidth / 1e12:.2f} TB/s (copy, read + write), "
+          f"bf16 matmul {peak / 1e12:.0f} TFLOP/s\n")
+    if "attention" not in args.skip:
+        print("### Decode attention, one layer, page size 16\n")
+        print(table(["heads q/kv x dim", "batch", "context", "us", "floor us", "x floor"],
+                    attention_rows(bandwidth)) + "\n", flush=True)
+    speed = load_model(args.model, "cuda", "bfloat16")
+    if "model" not in args.skip:
+        print(f"### Whole model ({args.model or 'bundled'}), eager, bf16\n")
+        print(table(["case", "batch", "context", "ms/step", "tok/s", "floor ms", "x floor"],
+                    model_rows(speed, bandwidth, peak)) + "\n", flush=True)
+    if "workload" not in args.skip:
+        print("### Shared-prefix workload (64 requests, 8 prefixes of 1,000 tokens)\n")
+        print(table(["cache", "seconds", "output tok/s", "hit rate"],
+                    shared_prefix_rows(speed)) + "\n", flush=True)
+    if "exactness" not in args.skip:
+        exact_model = load_model(args.exactness_model, "cuda", "bfloat16")
+        print("### Exactness (greedy, 16 prompts, 32 tokens each)\n")
+        print(table(["settings", "compared", "same"], exactness_rows(exact_model)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

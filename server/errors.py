@@ -6,10 +6,16 @@ message, so every failure the server knows of becomes one of these, never a trac
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse
+
+from engine import EngineDeadError
+
+log = logging.getLogger("radixkv.server")
 
 # "max_tokens: must be ..." -> param "max_tokens"; "messages[2].content: ..." -> that path.
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
@@ -84,3 +90,35 @@ def engine_dead(message: str) -> APIError:
 
 def internal(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
+
+
+# The engine names a request's sampling fields under ``params.`` (its argument); an HTTP
+# request has them at the top level of its body.
+_PARAMS = "params."
+
+
+def from_engine(exc: ValueError, renames: Mapping[str, str] | None = None) -> APIError:
+    """The engine's ValueError (bad input: the client's fault) as a 400 naming the field as
+    the client spelled it: ``params.`` dropped, and an engine field that the request calls
+    otherwise renamed (``max_new_tokens`` -> ``max_tokens``, ``logprobs`` ->
+    ``top_logprobs``)."""
+    message = str(exc).removeprefix(_PARAMS)
+    found = _FIELD.match(message)
+    if renames and found and found.group(1) in renames:
+        message = renames[found.group(1)] + message[len(found.group(1)) :]
+    return invalid(message)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Any failure as OpenAI's error: the engine's ValueErrors are the client's fault, a
+    stopped engine is a 503, anything else a 500 whose details stay in the log."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(str(exc))
+    if isinstance(exc, ValueError):
+        return from_engine(exc)
+    log.error("request failed", exc_info=exc)
+    # An exception's text can carry internals (paths, Ray's actor ids and node addresses)
+    # that a client must not see.
+    return internal("the request failed inside the server (its log has the details); retry")

@@ -2,22 +2,25 @@
 
 Bodies are decoded with msgspec into typed records: a wrong type is refused with the path of
 the field (``$.messages[0].content``), and fields the server does not know are ignored, as
-OpenAI's API does. What the types cannot say (ranges, combinations, features the engine does
-not have) is checked here, naming the field as the client spelled it; everything else is the
-engine's own validation (``SamplingParams``, ``Engine.encode``), whose messages name fields by
-the same names.
+OpenAI's API does. What the types cannot say and the engine does not check (combinations,
+features the engine does not have, the API's own limits) is checked here, naming the field as
+the client spelled it. Everything else is the engine's own validation, made once:
+``SamplingParams`` checks the sampling fields (ranges, the stop ids' sign, the logprobs
+bound) when ``choice_params`` builds it, ``EngineClient.encode`` the prompt, ``submit`` the
+stop ids against the vocabulary and the context fit; the server maps those errors to the
+request's field names (``server.errors.from_engine``, ``generation.TokenBudget``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from scheduler import SamplingParams
-from scheduler.params import MAX_LOGPROBS
-from server.errors import APIError, invalid
+from engine import SamplingParams
+from server.errors import APIError, from_engine, invalid
 
 # Choices one request may ask for (each is a request in the engine; they share the prompt).
 MAX_N = 16
@@ -220,13 +223,9 @@ def check_chat_only(req: ChatRequest) -> None:
             f"response_format: type {req.response_format.get('type')!r} is not supported "
             "(only 'text')"
         )
-    if req.top_logprobs is not None:
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise invalid(
-                f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs!r}"
-            )
-        if not req.logprobs:
-            raise invalid("top_logprobs: needs logprobs=true")
+    # The bound of top_logprobs is SamplingParams' (its ``logprobs``).
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs: needs logprobs=true")
 
 
 def check_completion_only(req: CompletionRequest) -> None:
@@ -237,46 +236,40 @@ def check_completion_only(req: CompletionRequest) -> None:
             f"best_of: only best_of == n is supported (no server-side ranking), got "
             f"best_of={req.best_of!r}, n={req.n!r}"
         )
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise invalid(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
     if req.echo and req.logprobs is not None:
         raise invalid("echo: not supported together with logprobs")
 
 
-def check_token_ids(ids: list[int] | None, vocab_size: int) -> None:
-    for token in ids or []:
-        if not 0 <= token < vocab_size:
-            raise invalid(f"stop_token_ids: {token} is not a token id in [0, {vocab_size})")
-
-
-def requested_max_tokens(field: str, value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise invalid(f"{field}: must be an integer >= 1, got {value!r}")
-    return value
-
-
-def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, choice: int
-) -> SamplingParams:
-    """The engine's params for choice ``choice`` of ``req`` (a seed advances per choice, so
-    n seeded choices differ from each other and repeat across identical requests)."""
+def choice_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, renames: Mapping[str, str]
+) -> list[SamplingParams]:
+    """The engine's params for each of ``req.n`` choices. A seed advances per choice, so n
+    seeded choices differ from each other and repeat across identical requests; unseeded
+    choices share one SamplingParams (frozen), made and checked once. SamplingParams' own
+    check is the request's: its ValueError names the field as the request does (``renames``:
+    the engine's name -> the request's, e.g. ``max_new_tokens`` -> ``max_tokens``)."""
     if req.seed is not None and not 0 <= req.seed < 1 << 63:  # the engine's seed range
+        # checked here: the per-choice seeds below wrap, and would hide a seed out of range
         raise invalid(f"seed: must be an integer in [0, 2**63), got {req.seed!r}")
-    seed = None if req.seed is None else (req.seed + choice) % (1 << 63)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = req.top_k if req.top_k is not None else 0
+    seeds = [None] if req.seed is None else [(req.seed + j) % (1 << 63) for j in range(req.n)]
     try:
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
-            min_p=0.0 if req.min_p is None else req.min_p,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-        )
+        made = [
+            SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=seed,
+                stop=stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
+            for seed in seeds
+        ]
     except ValueError as exc:
-        raise invalid(str(exc)) from None
+        raise from_engine(exc, renames) from None
+    return made * req.n if req.seed is None else made

@@ -1,25 +1,16 @@
-"""OpenAI response bodies and stream chunks, built from the engine's outputs."""
+"""The parts of OpenAI's response bodies and stream chunks built from the engine's outputs:
+usage and log-probabilities (the SSE framing is ``streaming.sse``)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-import msgspec
-
-from engine import RequestOutput
-from engine.model.sampler import TokenLogprob
+from engine import RequestOutput, TokenLogprob
 from server.tokens import TokenTexts
 
 # JSON has no -inf: a token the model gives no chance at all gets this floor.
 LOGPROB_FLOOR = -9999.0
-
-
-def sse(data: Any) -> bytes:
-    """One Server-Sent Event: ``data: <json>`` and a blank line (msgspec: several times
-    faster than json.dumps on the chunks of every token)."""
-    payload = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
-    return b"data: " + payload + b"\n\n"
 
 
 def _lp(value: float) -> float:

@@ -26,3 +26,8 @@ class ContextLengthError(ValueError):
         self.max_new_tokens = max_new_tokens
         self.limit = limit
         self.of_pool = of_pool
+
+    def __reduce__(self) -> tuple:
+        """Whole across processes (a replica's error reaches the front through Ray)."""
+        return (type(self), (str(self), self.field, self.prompt_tokens, self.max_new_tokens,
+                             self.limit, self.of_pool))

@@ -1,0 +1,132 @@
+"""The steps both generation endpoints (chat completions, completions) share: reading a
+request, its token budget, submitting its choices, the envelope of a response or chunk.
+
+The server checks here only what the engine cannot know (the key, the model name, the queue);
+the prompt, the sampling fields and the context fit are checked by the engine, once, and its
+errors are said in the request's words: ``submit`` maps a ``ContextLengthError`` to OpenAI's
+``context_length_exceeded`` naming the request's prompt field and budget field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from starlette.requests import Request
+
+from engine import ContextLengthError, PromptIds, SamplingParams
+from server import protocol
+from server.checks import check_auth, check_model, check_queue, read_body
+from server.errors import APIError, from_engine, invalid
+from server.protocol import ChatRequest, CompletionRequest
+from server.streaming import Choice
+
+if TYPE_CHECKING:
+    from server.state import ServerState
+
+RequestT = TypeVar("RequestT", ChatRequest, CompletionRequest)
+
+# envelope(usage=NO_USAGE) leaves the key out (chunks of a stream without include_usage).
+NO_USAGE = object()
+
+
+async def parse(state: ServerState, request: Request, kind: type[RequestT]) -> RequestT:
+    """The body (413 past the limit), the key, the body as ``kind``, the model it names and
+    the features both endpoints refuse, in that order."""
+    body = await read_body(request, state.config.max_body_bytes)
+    check_auth(request, state.config.api_key)
+    req = protocol.decode_body(body, kind)
+    check_model(req.model, state.config.names)
+    protocol.check_unsupported(req)
+    return req
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBudget:
+    """The tokens a request may generate, as the client asked: ``field`` names the field it
+    used (``max_tokens``, ``max_completion_tokens``), ``asked`` its value, or None for the
+    rest of the context (chat's default)."""
+
+    field: str
+    asked: int | None
+
+    def tokens(self, prompt_len: int, context: int) -> int:
+        """``max_new_tokens`` for a prompt of ``prompt_len`` tokens: what was asked, or the
+        rest of the context (at least 1: a prompt that fills the context is the engine's
+        ``ContextLengthError``, said by ``too_long``)."""
+        return self.asked if self.asked is not None else max(context - prompt_len, 1)
+
+    def too_long(self, exc: ContextLengthError, where: str) -> APIError:
+        """The engine's context-fit error in the server's words: 400
+        ``context_length_exceeded`` naming ``where``, the request's prompt field. A request
+        over the KV pool alone is the engine's message as it is."""
+        if exc.of_pool:
+            return from_engine(exc)
+        context, prompt = exc.limit, exc.prompt_tokens
+        if self.asked is None:
+            message = (
+                f"{where}: this model's maximum context length is {context} tokens, and "
+                f"the prompt has {prompt}; shorten it"
+            )
+        else:
+            message = (
+                f"{where}: this model's maximum context length is {context} tokens; the "
+                f"request asks for {prompt + exc.max_new_tokens} ({prompt} in the prompt, "
+                f"{exc.max_new_tokens} for {self.field}); shorten the prompt or lower "
+                f"{self.field}"
+            )
+        return invalid(message, param=where, code="context_length_exceeded")
+
+
+def submit(
+    state: ServerState,
+    prompts: Sequence[PromptIds],
+    fields: Sequence[str],
+    params: Sequence[SamplingParams],
+    budget: TokenBudget,
+    namespace: str | None,
+    stream: bool,
+) -> list[Choice]:
+    """Queues ``len(params)`` choices per prompt, all or nothing (what was queued is aborted
+    if one fails). The ids go to the engine exactly as ``encode`` returned them, so they are
+    not checked again; the engine checks what depends on the params (the stop ids against
+    the vocabulary, the context fit), and its errors name ``fields[p]`` for prompt ``p``."""
+    check_queue(state, len(prompts) * len(params))
+    choices: list[Choice] = []
+    try:
+        for p, ids in enumerate(prompts):
+            for j, sampling in enumerate(params):
+                try:
+                    handle = state.engine.submit(ids, sampling, namespace, stream=stream)
+                except ContextLengthError as exc:
+                    raise budget.too_long(exc, fields[p]) from None
+                except ValueError as exc:
+                    raise from_engine(exc) from None
+                choices.append(Choice(p * len(params) + j, p, handle))
+    except BaseException:
+        for choice in choices:
+            choice.handle.abort()
+        raise
+    return choices
+
+
+def envelope(
+    state: ServerState, rid: str, obj: str, created: int, items: list[dict[str, Any]], usage: Any
+) -> dict[str, Any]:
+    """A response or stream chunk around its choices; ``usage`` NO_USAGE leaves it out."""
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": state.config.model_name,
+        "choices": items,
+    }
+    if usage is not NO_USAGE:
+        body["usage"] = usage
+    return body
+
+
+def stream_usage(req: ChatRequest | CompletionRequest) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    return bool(req.stream_options and req.stream_options.include_usage)

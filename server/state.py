@@ -1,0 +1,68 @@
+"""What every endpoint shares: ``ServerState``, made once per app by ``create_app``.
+
+The engine is held as an ``EngineClient``: an ``Engine`` in this process and a
+``cluster.remote.RemoteEngine`` (replicas behind a router) look the same from here. Besides
+the engine and the config it holds what must exist once per app, not per request: the
+metrics registry, the token-text cache, the one tokenizing thread and the tasks that outlive
+a request (observing the outputs of aborted requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from engine import EngineClient, PromptIds
+from server.config import ServerConfig
+from server.errors import invalid
+from server.metrics import ServerMetrics
+from server.tokens import TokenTexts
+
+
+class ServerState:
+    """The engine, its names, metrics, token texts and the tokenizing thread."""
+
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(engine, config.model_name)
+        self.texts = TokenTexts(engine.tokenizer)
+        self.created = int(time.time())
+        # A text of more characters than this cannot fit the context whatever its tokens:
+        # no token spells more than the vocabulary's longest entry.
+        longest = max(map(len, engine.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = engine.max_context * max(longest, 1)
+        # One worker: tokenizing and chat templating are slow for long texts and must not
+        # hold the event loop (every stream and /health), and one tokenizer object is not
+        # safe to share between threads.
+        self._tokenize = concurrent.futures.ThreadPoolExecutor(1, "radixkv-tokenize")
+        self._background: set[asyncio.Future[None]] = set()
+
+    async def encode(self, prompt: Any, field: str, texts: Sequence[str]) -> PromptIds:
+        """``engine.encode`` off the event loop: the prompt's ids, checked once, to be given
+        to ``engine.submit`` as they are. First a length bound that needs no tokenizer:
+        ``texts`` (the prompt's text parts) longer than any tokenization of the context are
+        refused at once, so a few megabytes of text never occupy the tokenizing thread."""
+        chars = sum(map(len, texts))
+        if chars > self.max_prompt_chars:
+            raise invalid(
+                f"{field}: this model's maximum context length is {self.engine.max_context} "
+                f"tokens, and {chars} characters of text cannot fit it; shorten it",
+                param=field,
+                code="context_length_exceeded",
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize, functools.partial(self.engine.encode, prompt, field=field)
+        )
+
+    def in_background(self, coroutine: Awaitable[None]) -> None:
+        """Runs ``coroutine`` as a task held until it ends (asyncio keeps only weak
+        references to tasks, so an unheld one may vanish half-way)."""
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,160 @@
+"""Following a request's engine requests to the client: waiting for all of them, or streaming
+their deltas as Server-Sent Events, and aborting all of them when the client leaves.
+
+An HTTP request becomes ``Choice``s (one engine request each, see ``generation.submit``).
+``wait`` gathers their outputs; ``updates`` interleaves their deltas as they come. Both watch
+the ASGI ``receive`` channel for the client leaving, whatever the host (uvicorn, Ray Serve)
+and its ASGI spec version, and abort every choice at once so their pages go back to the pool
+within a step. Every output, aborted ones too, is observed by the metrics exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine import Delta, RequestHandle, RequestOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from server.state import ServerState
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request of an API request: choice ``index``, on prompt ``prompt``."""
+
+    index: int
+    prompt: int
+    handle: RequestHandle
+
+
+@dataclass(slots=True)
+class Update:
+    """New text and tokens of one choice of a stream; ``output`` is set on its last update."""
+
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    output: RequestOutput | None = None
+
+
+def sse(data: Any) -> bytes:
+    """One Server-Sent Event: ``data: <json>`` and a blank line (msgspec: several times
+    faster than json.dumps on the chunks of every token)."""
+    payload = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
+    return b"data: " + payload + b"\n\n"
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns when the client has disconnected (run once the body has been read, when
+    what ``receive`` still delivers is the disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE that always watches for the client leaving: Starlette does so only under ASGI spec
+    < 2.4; mounted elsewhere (Ray Serve) a disconnect would go unnoticed until the next write,
+    and a long prefill or a stalled queue writes nothing."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(client_gone(receive))
+        try:
+            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watcher):
+                task.cancel()
+            for task in (stream, watcher):
+                with contextlib.suppress(BaseException):
+                    await task
+            # The generator's own finally aborts its requests; close it if it never started.
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(BaseException):
+                    await close()
+
+
+async def wait(
+    state: ServerState, request: Request, choices: list[Choice]
+) -> list[RequestOutput] | None:
+    """Every choice's output, or None when the client left first (all aborted then)."""
+    results = asyncio.ensure_future(asyncio.gather(*(c.handle.aresult() for c in choices)))
+    watcher = asyncio.ensure_future(client_gone(request.receive))
+    try:
+        await asyncio.wait({results, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if results.done():
+            outputs = results.result()
+            for output in outputs:
+                state.metrics.observe(output)
+            return outputs
+        return None
+    finally:
+        watcher.cancel()
+        if not results.done():
+            results.cancel()
+            abort(state, choices)
+
+
+async def updates(state: ServerState, choices: list[Choice]) -> AsyncIterator[Update]:
+    """Every choice's new text and tokens as they come, interleaved; a choice's last update
+    carries its finish reason, the tokens no delta carried (a stop token) and its output.
+    Leaving early (a disconnect cancels the stream) aborts every choice still running."""
+    queue: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for item in choice.handle.events():
+                queue.put_nowait((choice, item))
+        except BaseException as exc:
+            queue.put_nowait((choice, exc))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    sent = {c.index: 0 for c in choices}  # tokens streamed per choice
+    ended: set[int] = set()
+    try:
+        while len(ended) < len(choices):
+            choice, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, Delta):
+                sent[choice.index] += len(item.token_ids)
+                yield Update(choice, item.text, list(item.token_ids), list(item.logprobs))
+                continue
+            ended.add(choice.index)
+            state.metrics.observe(item)
+            tail = sent[choice.index]
+            yield Update(choice, "", item.token_ids[tail:], (item.logprobs or [])[tail:], item)
+    finally:
+        for task in tasks:
+            task.cancel()
+        abort(state, [c for c in choices if c.index not in ended])
+
+
+def abort(state: ServerState, choices: list[Choice]) -> None:
+    """Aborts ``choices`` now; their outputs (finish reason "abort") reach the metrics from a
+    background task, since nobody waits for them any more."""
+    if not choices:
+        return
+    for choice in choices:
+        choice.handle.abort()
+    state.in_background(_observe(state, choices))
+
+
+async def _observe(state: ServerState, choices: list[Choice]) -> None:
+    for choice in choices:
+        with contextlib.suppress(BaseException):
+            state.metrics.observe(await choice.handle.aresult())

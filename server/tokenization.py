@@ -1,0 +1,45 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extensions): the token ids the engine
+would run for a prompt or a conversation, and the text of token ids.
+
+``/tokenize`` encodes exactly as the generation endpoints do (the same ``encode``, the same
+checks, the chat template for messages), so a client can count a prompt's tokens before
+sending it.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server import protocol
+from server.checks import check_auth, check_model, read_body
+from server.errors import invalid
+from server.state import ServerState
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    check_auth(request, state.config.api_key)
+    body = await read_body(request, state.config.max_body_bytes)
+    req = protocol.decode_body(body, protocol.TokenizeRequest)
+    check_model(req.model, state.config.names)
+    if (req.prompt is None) == (req.messages is None):
+        raise invalid("prompt: give exactly one of 'prompt' and 'messages'", param="prompt")
+    if req.messages is not None:
+        messages = protocol.conversation(req.messages)
+        ids = await state.encode(messages, "messages", [m["content"] for m in messages])
+    else:
+        if not isinstance(req.prompt, str):
+            raise invalid(f"prompt: expected a string, got {type(req.prompt).__name__}")
+        ids = await state.encode(req.prompt, "prompt", [req.prompt])
+    max_len = state.engine.max_context
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_len})
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    check_auth(request, state.config.api_key)
+    body = await read_body(request, state.config.max_body_bytes)
+    req = protocol.decode_body(body, protocol.DetokenizeRequest)
+    check_model(req.model, state.config.names)
+    # encode checks the ids against the vocabulary (a 400 naming ``tokens``)
+    ids = state.engine.encode(req.tokens, field="tokens") if req.tokens else []
+    return JSONResponse({"prompt": state.engine.tokenizer.decode(ids)})

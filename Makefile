@@ -24,7 +24,7 @@ lint: setup
 	$(BIN)/ruff check radix scheduler engine server cluster workloads tests
 
 bench: setup
-	$(BIN)/python -m radix.bench
+	$(BIN)/python -m workloads.tree_bench
 	$(BIN)/python -m workloads.bench --all --compare --json bench-results/bench.json --plot bench-results
 
 demo: setup

@@ -16,7 +16,7 @@ rm -rf .gpu && mkdir -p .gpu/whl
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \
   "flashinfer-python==0.6.13" "apache-tvm-ffi>=0.1.6,<0.2,!=0.1.8,!=0.1.8.post0" \
   nvidia-cudnn-frontend cuda-tile msgspec 2>&1 | grep -v "is ignored" || true
-"$PY" -m workloads.random_model pack-front .gpu/front
+"$PY" -m workloads.checkpoints.random_model pack-front .gpu/front
 git rev-parse HEAD > .gpu/commit
 git status --porcelain | grep -q . && echo "dirty" >> .gpu/commit || true
 du -sh .gpu && ls .gpu/whl

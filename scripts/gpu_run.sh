@@ -30,7 +30,7 @@ lscpu | grep -E "Model name|^Flags"
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'flashinfer', flashinfer.__version__)" || exit 1
 echo "commit: $(cat .gpu/commit)"
 for shape in smollm2-135m llama-1b; do
-  [ -f /tmp/$shape/config.json ] || python3 -m workloads.random_model build .gpu/front /tmp/$shape --shape $shape
+  [ -f /tmp/$shape/config.json ] || python3 -m workloads.checkpoints.random_model build .gpu/front /tmp/$shape --shape $shape
 done
 
 if [ "$PHASE" = tests ] || [ "$PHASE" = all ]; then
@@ -44,7 +44,7 @@ if [ "$PHASE" = tests ] || [ "$PHASE" = all ]; then
 fi
 if [ "$PHASE" = bench ] || [ "$PHASE" = all ]; then
   step "benchmarks"
-  timeout 500 python3 -m engine.gpu_bench --model /tmp/llama-1b \
+  timeout 500 python3 -m workloads.model_bench.gpu --model /tmp/llama-1b \
     --exactness-model /tmp/smollm2-135m 2>&1 | tee "$OUT/gpu-bench.md"
 fi
 step "done"

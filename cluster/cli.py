@@ -83,11 +83,8 @@ def _catch_stops() -> None:
 
 def serve_replicas(args: argparse.Namespace) -> int:
     """Start Ray (or join it), deploy the application, serve until SIGINT/SIGTERM."""
-    for flag, value, low in (("--replicas", args.replicas, 1), ("--port", args.port, 0)):
-        if value < low:
-            print(f"radixkv: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
-            return 2
     try:
+        server_cli.check_process_flags(args)  # what no config holds (the port, the grace)
         config = ClusterConfig(
             replicas=args.replicas,
             engine=EngineConfig.from_args(args, threads=1),

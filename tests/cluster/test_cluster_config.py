@@ -1,0 +1,33 @@
+"""ClusterConfig: what `radixkv serve --replicas` deploys is one checked record, built from the
+same flags as one engine's; a bad value is a usage error before Ray starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import ClusterConfig
+from engine import EngineConfig
+
+
+def test_the_replicas_get_the_engine_config_of_the_flags() -> None:
+    config = ClusterConfig(replicas=3, engine=EngineConfig.make(page_size=8, threads=2))
+    assert config.threads == 2 and config.engine.page_size == 8
+    assert ClusterConfig().threads == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--replicas", "0"], "replicas: must be >= 1"),
+        (["--replicas", "2", "--kv-disk-dir", "/tmp/x"], "kv_disk_dir: not supported"),
+        (["--replicas", "2", "--page-size", "0"], "page_size: must be an int >= 1"),
+        (["--replicas", "2", "--max-queued", "0"], "max_queued: must be an int >= 1"),
+        (["--replicas", "2", "--balance-threshold", "-1"], "balance_threshold: must be >= 0"),
+        (["--replicas", "2", "--port", "-1"], "--port: must be >= 0"),
+    ],
+)
+def test_bad_replica_settings_exit_2_before_ray_starts(argv, match, capsys) -> None:
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"radixkv: error: {match}" in err and "Traceback" not in err

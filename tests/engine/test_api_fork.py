@@ -26,7 +26,7 @@ def test_fork_with_eight_suffixes_computes_prefix_once(make_engine, tokenizer, h
     after = eng.stats()
 
     assert len(outs) == len(SUFFIXES)
-    computed = after.computed_prefill_tokens - before.computed_prefill_tokens
+    computed = after.counters.computed_prefill_tokens - before.counters.computed_prefill_tokens
     tails = sum(len(s) for s in suffix_ids)
     # Once: the prefix, every suffix, and at most one partial page per branch recomputed.
     assert computed <= len(prefix_ids) + tails + len(SUFFIXES) * eng.page_size

@@ -15,7 +15,7 @@ def test_same_prompt_in_another_namespace_has_zero_cached_tokens(engine) -> None
     [again] = engine.generate(PROMPT, greedy(3), namespace="tenant-a")
     [other] = engine.generate(PROMPT, greedy(3), namespace="tenant-b")
     [default] = engine.generate(PROMPT, greedy(3))
-    assert first.counters.cached_tokens == 0
+    assert first.cached_tokens == 0
     assert again.cached_tokens > 0
     assert other.cached_tokens == 0
     assert default.cached_tokens == 0

@@ -40,7 +40,7 @@ class EngineCall(msgspec.Struct, frozen=True):
     that match text (Ray Serve LLM's ``PrefixCacheAffinityRouter`` reads ``.prompt``)."""
 
     token_ids: PromptIds
-    params: Any  # SamplingParams (a dataclass: pickled by Ray as is)
+    params: Any  # SamplingParams (a frozen msgspec Struct: pickled by Ray as is)
     namespace: str | None
     stream: bool
     prompt: str = ""

@@ -17,6 +17,10 @@ _SEED_LIMIT = 1 << 63
 GREEDY_BELOW = 1e-5
 # Most alternatives a request may ask log-probabilities for (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+# OpenAI's ranges: presence and frequency penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -33,6 +37,15 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     # None: no log-probabilities; k >= 0: the sampled token's and the k most likely tokens'.
     logprobs: int | None = None
+    # Penalties as vLLM defines them, on the logits before temperature and filters: presence
+    # subtracts its value from every token generated so far, frequency its value times the
+    # token's count in the output; repetition divides a positive logit (multiplies a negative
+    # one) of every token seen in the prompt or the output. ``logit_bias`` adds its value to a
+    # token's logit (OpenAI's; -100 bans it in practice, 100 nearly forces it).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,6 +83,48 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 f"logprobs: must be None or an integer in [0, {MAX_LOGPROBS}], "
                 f"got {self.logprobs!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name}: must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}"
+                )
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise ValueError(
+                f"repetition_penalty: must be a number in (0, 10] (1 = off), got "
+                f"{self.repetition_penalty!r}"
+            )
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias: must be a dict of token id -> bias, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias: {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS_ENTRIES}"
+            )
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias: keys must be token ids >= 0, got {token!r}")
+            if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias[{token}]: must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {value!r}"
+                )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes this request's logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    @property
+    def penalises_prompt(self) -> bool:
+        """The repetition penalty reads the prompt's tokens too (the others the output's)."""
+        return self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

@@ -198,17 +198,6 @@ def _is_token(value: Any) -> bool:
 
 def check_unsupported(req: SamplingFields) -> None:
     """Refuse what the engine cannot do rather than silently ignore it."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0, 0.0):
-            raise invalid(f"{name}: not supported by this server (only 0), got {value!r}")
-    if req.repetition_penalty not in (None, 1, 1.0):
-        raise invalid(
-            f"repetition_penalty: not supported by this server (only 1), got "
-            f"{req.repetition_penalty!r}"
-        )
-    if req.logit_bias:
-        raise invalid("logit_bias: not supported by this server")
     if not 1 <= req.n <= MAX_N:
         raise invalid(f"n: must be an integer in [1, {MAX_N}], got {req.n!r}")
     if req.stream_options is not None and not req.stream:
@@ -240,6 +229,19 @@ def check_completion_only(req: CompletionRequest) -> None:
         raise invalid("echo: not supported together with logprobs")
 
 
+def logit_bias(given: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as the engine's."""
+    bias: dict[int, float] = {}
+    for key, value in (given or {}).items():
+        if not key.isdigit():
+            raise invalid(
+                f"logit_bias: keys must be token ids (as strings of digits), got {key!r}",
+                param="logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
+
+
 def choice_params(
     req: SamplingFields, max_tokens: int, logprobs: int | None, renames: Mapping[str, str]
 ) -> list[SamplingParams]:
@@ -254,6 +256,7 @@ def choice_params(
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = req.top_k if req.top_k is not None else 0
     seeds = [None] if req.seed is None else [(req.seed + j) % (1 << 63) for j in range(req.n)]
+    bias = logit_bias(req.logit_bias)
     try:
         made = [
             SamplingParams(
@@ -267,6 +270,12 @@ def choice_params(
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+                frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+                repetition_penalty=(
+                    1.0 if req.repetition_penalty is None else req.repetition_penalty
+                ),
+                logit_bias=bias,
             )
             for seed in seeds
         ]

@@ -125,7 +125,8 @@ class ModelRunner:
             return out
         requests = [batch.entries[i].request for i in rows]
         tokens = self.sampler.sample(
-            logits, [r.params for r in requests], [len(r.output) for r in requests]
+            logits, [r.params for r in requests], [len(r.output) for r in requests],
+            [r.prompt for r in requests], [r.output for r in requests],
         )
         for i, t in zip(rows, tokens.tolist()):
             out.tokens[i] = t

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from engine.model.logit_adjust import adjust_logits
 from scheduler.params import GREEDY_BELOW, SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -101,16 +102,20 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         steps: Sequence[int],
+        prompts: Sequence[Sequence[int]] = (),
+        outputs: Sequence[Sequence[int]] = (),
     ) -> torch.Tensor:
         """Token ids ``[N]`` (int64) for logits ``[N, vocab]``; ``steps[i]`` counts the
-        tokens row i's request has generated so far (the counter of its seeded noise)."""
+        tokens row i's request has generated so far (the counter of its seeded noise).
+        ``prompts[i]``/``outputs[i]`` are row i's tokens, read by its penalties (needed only
+        for rows whose params adjust the logits)."""
         n, vocab = logits.shape
         if len(params) != n or len(steps) != n:
             raise ValueError(
                 f"params: need one SamplingParams and one step per logits row ({n}), "
                 f"got {len(params)} and {len(steps)}"
             )
-        logits = logits.float()
+        logits = adjust_logits(logits.float(), params, prompts, outputs)
         greedy_tokens = logits.argmax(dim=-1)
         if all(p.is_greedy for p in params):
             return greedy_tokens

@@ -106,6 +106,11 @@ def check_params(params: Any, num_prompts: int, vocab_size: int) -> list[Samplin
                 raise ValueError(
                     f"{field}.stop_token_ids: {token!r} is not a token id in [0, {vocab_size})"
                 )
+        for token in p.logit_bias:
+            if token >= vocab_size:
+                raise ValueError(
+                    f"{field}.logit_bias: {token!r} is not a token id in [0, {vocab_size})"
+                )
         checked[id(p)] = p
     return params_list
 

@@ -346,3 +346,29 @@ def test_readme_server_example_runs_against_the_server(server_url: str, capsys) 
     code = block.replace("http://127.0.0.1:8000", server_url)
     exec(compile(code, str(readme), "exec"), {"__name__": "readme_server_example"})
     assert capsys.readouterr().out.strip()
+
+
+def test_penalties_and_logit_bias_over_http_equal_the_engines(
+    client: openai.OpenAI, local: Engine
+) -> None:
+    """Through the openai client: logit_bias -100 bans the token greedy decoding would pick,
+    and penalised greedy replies are the engine's own."""
+    messages = ask(QUESTIONS[1])
+    [plain] = local.generate(messages, SamplingParams(max_new_tokens=16, temperature=0))
+    first = plain.token_ids[0]
+    banned = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0,
+        logit_bias={str(first): -100}, extra_body={"return_token_ids": True},
+    )
+    ids = banned.choices[0].model_extra["token_ids"]
+    assert first not in ids
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, **penalties,
+        extra_body={"repetition_penalty": 1.2},
+    )
+    [expected] = local.generate(
+        messages,
+        SamplingParams(max_new_tokens=16, temperature=0, repetition_penalty=1.2, **penalties),
+    )
+    assert reply.choices[0].message.content == expected.text != plain.text

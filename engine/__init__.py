@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from engine.serving.outputs import RequestOutput
     from engine.serving.prompts import PromptPreparer
     from engine.serving.stats import EngineStats
-    from scheduler import SamplingParams
+    from scheduler import SamplingParams, StructuredOutputsParams
 
 _HOMES = {
     # the API
@@ -48,6 +48,7 @@ _HOMES = {
     "EngineClient": "engine.client",
     "PromptIds": "engine.client",
     "SamplingParams": "scheduler.params",
+    "StructuredOutputsParams": "scheduler.params",
     "RequestOutput": "engine.serving.outputs",
     "TokenLogprob": "engine.model.sampler",
     "RequestHandle": "engine.serving.handle",
@@ -78,6 +79,7 @@ _HOMES = {
 }
 
 __all__ = [
+    "StructuredOutputsParams",
     "abort_on_exit",
     "PromptPreparer",
     "build_parser",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from scheduler.batch import Batch, BatchEntry
 from scheduler.config import POLICIES, SchedulerConfig
 from scheduler.counters import SchedulerCounters
-from scheduler.params import SamplingParams
+from scheduler.params import SamplingParams, StructuredOutputsParams
 from scheduler.request import Request, RequestState
 from scheduler.scheduler import Scheduler
 
@@ -23,4 +23,5 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerCounters",
+    "StructuredOutputsParams",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import msgspec
 
@@ -21,6 +22,50 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What the output must match (vLLM's names); exactly one of: ``json`` (a JSON schema, as a
+    dict or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
+    strings) or ``grammar`` (a Lark grammar, llguidance's dialect). Checked for shape here;
+    the engine compiles it (once per distinct one) when the request is submitted."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: give exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json: expected a JSON schema, got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: expected a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice: expected a list of non-empty strings, got "
+                f"{self.choice!r}"
+            )
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object: expected a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -46,6 +91,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
+    # The output must match this (a JSON schema, a regex, ...): every step's logits are
+    # masked to the tokens it allows, and EOS only where it is complete.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +143,13 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 f"{self.repetition_penalty!r}"
             )
         self._check_logit_bias()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs: expected StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutputsParams
 from server.errors import APIError, from_engine, invalid
 
 # Choices one request may ask for (each is a request in the engine; they share the prompt).
@@ -65,6 +65,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
+    # {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": lark} | {"json_object": true}
+    structured_outputs: dict[str, Any] | None = None
     return_token_ids: bool = False
     # The tenant: requests with different salts never share a cached page.
     cache_salt: str | None = None
@@ -207,11 +209,6 @@ def check_unsupported(req: SamplingFields) -> None:
 def check_chat_only(req: ChatRequest) -> None:
     if req.tools:
         raise invalid("tools: not supported by this server (no tool calling)")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise invalid(
-            f"response_format: type {req.response_format.get('type')!r} is not supported "
-            "(only 'text')"
-        )
     # The bound of top_logprobs is SamplingParams' (its ``logprobs``).
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs: needs logprobs=true")
@@ -242,6 +239,48 @@ def logit_bias(given: dict[str, float] | None) -> dict[int, float]:
     return bias
 
 
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """What the output must match: vLLM's ``structured_outputs`` (both endpoints) or OpenAI's
+    ``response_format`` (chat: ``json_object``, ``json_schema``); at most one of them."""
+    fmt = getattr(req, "response_format", None)
+    kind = None if not fmt else fmt.get("type")
+    if kind not in (None, "text", "json_object", "json_schema"):
+        raise invalid(
+            f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+            param="response_format.type",
+        )
+    given = req.structured_outputs
+    if given and kind not in (None, "text"):
+        raise invalid("structured_outputs: give it or response_format, not both")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid(
+                "response_format.json_schema.schema: expected a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
+        return StructuredOutputsParams(json=schema)
+    if not given:
+        return None
+    unknown = sorted(k for k, v in given.items() if k not in STRUCTURED_KINDS and v is not None)
+    if unknown:
+        raise invalid(
+            f"structured_outputs.{unknown[0]}: not supported; use one of "
+            f"{', '.join(STRUCTURED_KINDS)}",
+            param=f"structured_outputs.{unknown[0]}",
+        )
+    try:
+        return StructuredOutputsParams(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 def choice_params(
     req: SamplingFields, max_tokens: int, logprobs: int | None, renames: Mapping[str, str]
 ) -> list[SamplingParams]:
@@ -257,6 +296,7 @@ def choice_params(
     top_k = req.top_k if req.top_k is not None else 0
     seeds = [None] if req.seed is None else [(req.seed + j) % (1 << 63) for j in range(req.n)]
     bias = logit_bias(req.logit_bias)
+    structure = structured_outputs(req)
     try:
         made = [
             SamplingParams(
@@ -276,6 +316,7 @@ def choice_params(
                     1.0 if req.repetition_penalty is None else req.repetition_penalty
                 ),
                 logit_bias=bias,
+                structured_outputs=structure,
             )
             for seed in seeds
         ]

@@ -18,6 +18,7 @@ from engine.model.loader import LoadedModel
 from engine.model.machine import available_memory_bytes, machine_memory_bytes
 from engine.model.probe import probe
 from engine.model.runner import ModelRunner
+from engine.model.structured import Grammars
 from engine.model.threads import ThreadPolicy
 
 # Default KV budget on the CPU: 1 GiB (about 23k tokens of SmolLM2-135M in float32), or an
@@ -66,14 +67,18 @@ def build_pool(loaded: LoadedModel, config: EngineConfig) -> KVPool:
     )
 
 
-def build_runner(loaded: LoadedModel, pool: KVPool, config: EngineConfig) -> ModelRunner:
-    """The runner over ``pool`` with the backend ``config.backend`` resolves to here."""
+def build_runner(
+    loaded: LoadedModel, pool: KVPool, config: EngineConfig, grammars: Grammars | None = None
+) -> ModelRunner:
+    """The runner over ``pool`` with the backend ``config.backend`` resolves to here, masking
+    by ``grammars`` (structured outputs)."""
     return ModelRunner(
         loaded,
         pool,
         backend=resolve_backend(config.backend, loaded.device),
         threads=ThreadPolicy.default(config.threads),
         batch_invariant=config.batch_invariant and loaded.device.type == "cpu",
+        grammars=grammars,
     )
 
 

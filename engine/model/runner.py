@@ -13,6 +13,7 @@ from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
 from engine.model.products import load_products
 from engine.model.sampler import Sampler, TokenLogprob, token_logprobs
+from engine.model.structured import Grammars
 from engine.model.threads import ThreadPolicy
 from scheduler.batch import Batch
 
@@ -50,6 +51,7 @@ class ModelRunner:
         threads: ThreadPolicy | None = None,
         batch_invariant: bool = False,
         debug_checks: bool | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         cfg = loaded.config
         if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
@@ -81,6 +83,8 @@ class ModelRunner:
             batch_invariant and loaded.model.products is not None and self.backend.exact
         )
         self.sampler = Sampler(seed)
+        # Structured outputs: masks each constrained row before sampling (None: not built).
+        self.grammars = grammars
         if debug_checks is None:
             debug_checks = os.environ.get("RADIXKV_DEBUG_CHECKS", "0") not in ("", "0")
         self.debug_checks = debug_checks
@@ -124,10 +128,13 @@ class ModelRunner:
         if not rows:
             return out
         requests = [batch.entries[i].request for i in rows]
+        allowed = logits if self.grammars is None else self.grammars.mask(logits, requests)
         tokens = self.sampler.sample(
-            logits, [r.params for r in requests], [len(r.output) for r in requests],
+            allowed, [r.params for r in requests], [len(r.output) for r in requests],
             [r.prompt for r in requests], [r.output for r in requests],
         )
+        if self.grammars is not None:
+            self.grammars.accept(requests, tokens.tolist())
         for i, t in zip(rows, tokens.tolist()):
             out.tokens[i] = t
         wants = [j for j, r in enumerate(requests) if r.params.logprobs is not None]

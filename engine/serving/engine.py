@@ -14,6 +14,7 @@ from engine.client import PromptIds
 from engine.config import EngineConfig
 from engine.model.build import build_pool, build_runner, verified_invariant, warn_if_slow_dtype
 from engine.model.loader import LoadedModel, load_model
+from engine.model.structured import Grammars
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.errors import EngineDeadError
 from engine.serving.handle import RequestHandle, TextStream, abort_on_exit, outputs_or_raise
@@ -64,15 +65,17 @@ class Engine:
         warn_if_slow_dtype(loaded.device, loaded.dtype)
         self._tokenizer = loaded.tokenizer
         self._config = loaded.config
+        grammars = Grammars(loaded.tokenizer)  # structured outputs: checked here, masked there
         self._prompts = PromptPreparer(
-            loaded.tokenizer, loaded.config.vocab_size, int(loaded.config.max_position_embeddings)
+            loaded.tokenizer, loaded.config.vocab_size, int(loaded.config.max_position_embeddings),
+            grammars,
         )
         self._device = loaded.device
         self._dtype = loaded.dtype
         pool = build_pool(loaded, config)
         tiers = build_tiers(loaded, pool, config)
         kv = KVManager(pool.num_pages, config.page_size, config.prefix_cache, tiers)
-        runner = build_runner(loaded, pool, config)
+        runner = build_runner(loaded, pool, config, grammars)
         self._batch_invariant = runner.batch_invariant and verified_invariant(
             loaded, config.batch_invariant
         )

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.client import PromptIds
+from engine.model.structured import Grammars
 from engine.serving.validation import (
     check_fits,
     check_messages,
@@ -234,10 +235,14 @@ class PromptPreparer:
     ``Engine`` and a front end that sends ids to replicas (``cluster.remote.RemoteEngine``)
     each hold one, so both check the same things in the same words."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_context: int) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_context: int, grammars: Grammars | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
+        # Structured outputs are compiled (once per distinct spec) when a request comes in.
+        self.grammars = grammars if grammars is not None else Grammars(tokenizer)
 
     def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
         """Exactly one prompt's checked token ids; ValueError names ``field``."""
@@ -248,7 +253,14 @@ class PromptPreparer:
     ) -> list[tuple[list[int], SamplingParams]]:
         """Every prompt's ids and parameters, all checked before any is queued; each must fit
         the context and, alone, a pool of ``pool_tokens``."""
-        return prepare_prompts(
+        prepared = prepare_prompts(
             self.tokenizer, self.vocab_size, self.max_context, pool_tokens,
             prompts, params, namespace, single,
         )
+        checked: set[int] = set()
+        for i, (_, p) in enumerate(prepared):
+            if p.structured_outputs is not None and id(p) not in checked:
+                field = "params" if len(prepared) == 1 else f"params[{i}]"
+                self.grammars.check(p.structured_outputs, f"{field}.structured_outputs")
+                checked.add(id(p))
+        return prepared

@@ -39,6 +39,14 @@ if TYPE_CHECKING:
     from engine.serving.outputs import RequestOutput
     from engine.serving.prompts import PromptPreparer
     from engine.serving.stats import EngineStats
+    from engine.serving.tools import (
+        ToolCall,
+        calls_text,
+        check_tools,
+        parse_tool_calls,
+        tool_constraint,
+        with_tools,
+    )
     from scheduler import SamplingParams, StructuredOutputsParams
 
 _HOMES = {
@@ -61,6 +69,12 @@ _HOMES = {
     "EngineStats": "engine.serving.stats",
     "PromptPreparer": "engine.serving.prompts",
     "ChatSession": "engine.serving.chat",
+    "ToolCall": "engine.serving.tools",
+    "calls_text": "engine.serving.tools",
+    "check_tools": "engine.serving.tools",
+    "parse_tool_calls": "engine.serving.tools",
+    "tool_constraint": "engine.serving.tools",
+    "with_tools": "engine.serving.tools",
     "continue_tokens": "engine.serving.chat",
     # the commands (radixkv chat / generate; serve builds on them)
     "build_parser": "engine.serving.cli",
@@ -79,6 +93,12 @@ _HOMES = {
 }
 
 __all__ = [
+    "ToolCall",
+    "calls_text",
+    "check_tools",
+    "parse_tool_calls",
+    "tool_constraint",
+    "with_tools",
     "StructuredOutputsParams",
     "abort_on_exit",
     "PromptPreparer",

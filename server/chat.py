@@ -17,9 +17,17 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import RequestOutput, TokenLogprob
+from engine import (
+    RequestOutput,
+    TokenLogprob,
+    ToolCall,
+    check_tools,
+    parse_tool_calls,
+    tool_constraint,
+    with_tools,
+)
 from server import protocol
-from server.errors import as_api_error
+from server.errors import as_api_error, invalid
 from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
 from server.protocol import ChatRequest
 from server.responses import chat_logprobs, usage_of
@@ -31,6 +39,15 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     req = await parse(state, request, ChatRequest)
     protocol.check_chat_only(req)
     messages = protocol.conversation(req.messages)
+    calling, structure = False, None
+    if req.tools:
+        try:
+            functions = check_tools(req.tools)
+            structure = tool_constraint(functions, req.tool_choice, req.parallel_tool_calls)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        messages = with_tools(messages, functions)  # rendered whatever tool_choice says
+        calling = structure is not None
     ids = await state.encode(messages, "messages", [m["content"] for m in messages])
     if req.max_completion_tokens is not None:
         budget = TokenBudget("max_completion_tokens", req.max_completion_tokens)
@@ -42,27 +59,27 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         budget.tokens(len(ids), state.engine.max_context),
         top,
         renames={"max_new_tokens": budget.field, "logprobs": "top_logprobs"},
+        tool_structure=structure,
     )
     choices = submit(state, [ids], ["messages"], params, budget, req.cache_salt, req.stream)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
-        return EventStreamResponse(_stream(state, rid, req, choices))
+        return EventStreamResponse(_stream(state, rid, req, choices, calling))
     outputs = await wait(state, request, choices)
     if outputs is None:
         return Response(status_code=499)  # nobody is there to read it
-    items = [
-        _item(
-            state,
-            req,
-            c,
-            {"role": "assistant", "content": o.text},
-            o.token_ids,
-            o.logprobs or [],
-            o.finish_reason,
-            key="message",
+    items = []
+    for c, o in zip(choices, outputs):
+        message: dict[str, Any] = {"role": "assistant", "content": o.text}
+        reason = o.finish_reason
+        calls = parse_tool_calls(o.text) if calling else None
+        if calls:
+            message = {"role": "assistant", "content": None,
+                       "tool_calls": [call.to_openai() for call in calls]}
+            reason = "tool_calls"
+        items.append(
+            _item(state, req, c, message, o.token_ids, o.logprobs or [], reason, key="message")
         )
-        for c, o in zip(choices, outputs)
-    ]
     body = envelope(state, rid, "chat.completion", int(time.time()), items, usage_of([outputs]))
     if req.return_token_ids:
         body["prompt_token_ids"] = ids
@@ -73,7 +90,7 @@ def _item(
     state: ServerState,
     req: ChatRequest,
     choice: Choice,
-    message: dict[str, str],
+    message: dict[str, Any],
     ids: list[int],
     lps: list[TokenLogprob],
     reason: str | None,
@@ -92,10 +109,12 @@ def _item(
 
 
 async def _stream(
-    state: ServerState, rid: str, req: ChatRequest, choices: list[Choice]
+    state: ServerState, rid: str, req: ChatRequest, choices: list[Choice], calling: bool = False
 ) -> AsyncIterator[bytes]:
     """The role chunk of every choice, a chunk per delta, the usage chunk if asked, [DONE];
-    an error after the first byte is sent in-band (the status line is long gone)."""
+    an error after the first byte is sent in-band (the status line is long gone). With tools,
+    a reply that begins with ``{`` is a call: it is held back and sent as ``tool_calls``
+    deltas (the id and name once, then the arguments in fragments) when it is complete."""
     created = int(time.time())
     with_usage = stream_usage(req)
     per_chunk = None if with_usage else NO_USAGE  # OpenAI: "usage": null on every chunk
@@ -103,12 +122,28 @@ async def _stream(
     def chunk(item: dict[str, Any]) -> bytes:
         return sse(envelope(state, rid, "chat.completion.chunk", created, [item], per_chunk))
 
+    held: dict[int, list[str]] = {}  # choice index -> text held back (a call, maybe)
     outputs: list[RequestOutput] = []
     try:
         for choice in choices:
             role = {"role": "assistant", "content": ""}
             yield chunk(_item(state, req, choice, role, [], [], None))
         async for u in updates(state, choices):
+            index = u.choice.index
+            if calling and (index in held or (u.text.startswith("{") and u.output is None)):
+                held.setdefault(index, []).append(u.text)
+                if u.output is None:
+                    continue
+                calls = parse_tool_calls(u.output.text)
+                if calls:
+                    for item in _call_deltas(state, req, u.choice, calls):
+                        yield chunk(item)
+                    yield chunk(_item(state, req, u.choice, {}, u.token_ids, u.logprobs,
+                                      "tool_calls"))
+                    outputs.append(u.output)
+                    continue
+                text = "".join(held.pop(index))  # not a call after all: send the text
+                yield chunk(_item(state, req, u.choice, {"content": text}, [], [], None))
             delta = {"content": u.text} if u.output is None else {}
             reason = None if u.output is None else u.output.finish_reason
             yield chunk(_item(state, req, u.choice, delta, u.token_ids, u.logprobs, reason))
@@ -120,3 +155,22 @@ async def _stream(
     except Exception as exc:
         yield sse(as_api_error(exc).body())
     yield sse("[DONE]")
+
+
+FRAGMENT_CHARS = 16  # arguments are streamed in pieces of this many characters
+
+
+def _call_deltas(
+    state: ServerState, req: ChatRequest, choice: Choice, calls: list[ToolCall]
+) -> list[dict[str, Any]]:
+    """OpenAI's streamed tool calls: per call, its id, type and name with empty arguments,
+    then the arguments in fragments that join to the whole."""
+    items = []
+    for k, call in enumerate(calls):
+        head = {"index": k, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": ""}}
+        items.append(_item(state, req, choice, {"tool_calls": [head]}, [], [], None))
+        for at in range(0, len(call.arguments), FRAGMENT_CHARS):
+            piece = {"index": k, "function": {"arguments": call.arguments[at : at + FRAGMENT_CHARS]}}
+            items.append(_item(state, req, choice, {"tool_calls": [piece]}, [], [], None))
+    return items

@@ -19,13 +19,16 @@ from typing import Any
 
 import msgspec
 
-from engine import SamplingParams, StructuredOutputsParams
+from engine import SamplingParams, StructuredOutputsParams, calls_text
 from server.errors import APIError, from_engine, invalid
 
 # Choices one request may ask for (each is a request in the engine; they share the prompt).
 MAX_N = 16
 # Roles a conversation may hold; "developer" is OpenAI's newer name for "system".
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 # msgspec's messages: "Expected `int`, got `str` - at `$.max_tokens`".
@@ -41,6 +44,9 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant turn that called tools, and a tool's result answering one of its calls.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -80,6 +86,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -141,10 +148,28 @@ def conversation(messages: list[ChatMessage], field: str = "messages") -> list[d
         if role is None:
             raise invalid(
                 f"{where}.role: {message.role!r} is not supported; expected one of "
-                f"{sorted(ROLES)} (this server has no tool calling)"
+                f"{sorted(ROLES)}"
             )
+        if role == "assistant" and message.tool_calls:
+            out.append({"role": role, "content": calls_text(_calls(message.tool_calls, where))})
+            continue
         out.append({"role": role, "content": _content_text(message, role, where)})
     return out
+
+
+def _calls(calls: list[dict[str, Any]], where: str) -> list[tuple[str, str]]:
+    """An assistant message's ``tool_calls`` as (name, arguments JSON text) pairs."""
+    pairs = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise invalid(f"{where}.tool_calls[{j}].function.name: expected a non-empty string")
+        if not isinstance(arguments, str):
+            raise invalid(f"{where}.tool_calls[{j}].function.arguments: expected a JSON string")
+        pairs.append((name, arguments))
+    return pairs
 
 
 def _content_text(message: ChatMessage, role: str, where: str) -> str:
@@ -207,8 +232,6 @@ def check_unsupported(req: SamplingFields) -> None:
 
 
 def check_chat_only(req: ChatRequest) -> None:
-    if req.tools:
-        raise invalid("tools: not supported by this server (no tool calling)")
     # The bound of top_logprobs is SamplingParams' (its ``logprobs``).
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs: needs logprobs=true")
@@ -282,7 +305,11 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def choice_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, renames: Mapping[str, str]
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    renames: Mapping[str, str],
+    tool_structure: StructuredOutputsParams | None = None,
 ) -> list[SamplingParams]:
     """The engine's params for each of ``req.n`` choices. A seed advances per choice, so n
     seeded choices differ from each other and repeat across identical requests; unseeded
@@ -297,6 +324,10 @@ def choice_params(
     seeds = [None] if req.seed is None else [(req.seed + j) % (1 << 63) for j in range(req.n)]
     bias = logit_bias(req.logit_bias)
     structure = structured_outputs(req)
+    if tool_structure is not None:
+        if structure is not None:
+            raise invalid("tools: cannot be combined with response_format or structured_outputs")
+        structure = tool_structure
     try:
         made = [
             SamplingParams(

@@ -14,12 +14,13 @@ that does is kept; ``last_dropped_tokens`` says how many were not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.serving.handle import TextStream, abort_on_exit
 from engine.serving.outputs import RequestOutput
 from engine.serving.prompts import Span, encode_text, encode_with_spans, render_with_spans
+from engine.serving.tools import offer_tools, with_parsed_calls, with_tools
 from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 
@@ -81,6 +82,8 @@ class ChatSession:
         system: str | None = None,
         params: SamplingParams | None = None,
         namespace: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
     ) -> None:
         if system is not None and not isinstance(system, str):
             raise ValueError(f"system: expected str or None, got {type(system).__name__}")
@@ -93,6 +96,11 @@ class ChatSession:
         self._messages: list[dict[str, str]] = (
             [{"role": "system", "content": system}] if system is not None else []
         )
+        self._tools = tools
+        self._tool_choice = tool_choice
+        if tools is not None:  # the tool section joins the system turn once, byte-stable
+            functions, self._params = offer_tools(params or SamplingParams(), tools, tool_choice)
+            self._messages = with_tools(self._messages, functions)
         self._conversation_ids: list[int] = []  # last turn's prompt + reply tokens
         self.last_output: RequestOutput | None = None
         self.last_dropped_tokens = 0  # previous tokens not reused verbatim by the last turn
@@ -107,9 +115,10 @@ class ChatSession:
         """Prompt + reply tokens of the last turn: the prefix the next turn starts with."""
         return list(self._conversation_ids)
 
-    def send(self, text: str, params: SamplingParams | None = None) -> str:
-        """Sends one user message; returns the assistant's reply text."""
-        messages, ids = self._prepare_turn(text)
+    def send(self, text: str, params: SamplingParams | None = None, role: str = "user") -> str:
+        """Sends one message (``role`` "user", or "tool" for a tool's result); returns the
+        assistant's reply text (with tools, ``last_output.tool_calls`` has its calls)."""
+        messages, ids = self._prepare_turn(text, role)
         handle = self._engine.submit(ids, self._params_for(params), self._namespace)
         with abort_on_exit([handle]):  # interrupted: the turn is dropped
             output = handle.result()
@@ -130,6 +139,7 @@ class ChatSession:
     def fork(self) -> ChatSession:
         """An independent copy of this session (same history, params and namespace)."""
         twin = ChatSession(self._engine, params=self._params, namespace=self._namespace)
+        twin._tools, twin._tool_choice = self._tools, self._tool_choice
         twin._messages = self.messages
         twin._conversation_ids = list(self._conversation_ids)
         twin.last_output = self.last_output
@@ -139,13 +149,17 @@ class ChatSession:
     def _params_for(self, params: SamplingParams | None) -> SamplingParams | None:
         return params if params is not None else self._params
 
-    def _prepare_turn(self, text: str) -> tuple[list[dict[str, str]], list[int]]:
+    def _prepare_turn(
+        self, text: str, role: str = "user"
+    ) -> tuple[list[dict[str, str]], list[int]]:
         if not isinstance(text, str):
             raise ValueError(f"text: expected str, got {type(text).__name__}")
         if not text:
             raise ValueError("text: empty message")
+        if role not in ("user", "tool"):
+            raise ValueError(f"role: expected 'user' or 'tool', got {role!r}")
         check_text(text, "text")
-        messages = [*self.messages, {"role": "user", "content": text}]
+        messages = [*self.messages, {"role": role, "content": text}]
         tokenizer = self._engine.tokenizer
         full_text, spans = render_with_spans(tokenizer, messages, "text")
         ids, reused = continue_tokens(tokenizer, self._conversation_ids, full_text, spans)
@@ -156,6 +170,8 @@ class ChatSession:
                 output: RequestOutput) -> None:
         if output.finish_reason == "abort":
             return
+        if self._tools is not None:
+            output = with_parsed_calls(output)
         self._messages = [*messages, {"role": "assistant", "content": output.text}]
         self._conversation_ids = list(prompt_ids) + list(output.token_ids)
         self.last_output = output

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,8 +21,9 @@ from engine.serving.handle import RequestHandle, TextStream, abort_on_exit, outp
 from engine.serving.kv_tiers import build_tiers
 from engine.serving.loop import EngineLoop, Job
 from engine.serving.outputs import RequestOutput
-from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text
+from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text, split_prompts
 from engine.serving.stats import EngineStats
+from engine.serving.tools import offer_tools, with_parsed_calls, with_tools
 from engine.serving.validation import check_token_ids
 from radix import KVEvent, KVManager
 from scheduler import Request, SamplingParams, Scheduler
@@ -161,20 +162,44 @@ class Engine:
         return self._submit_ids(ids, p, namespace, stream)
 
     def generate(
-        self, prompts: Any, params: ParamsArg = None, namespace: str | None = None
+        self,
+        prompts: Any,
+        params: ParamsArg = None,
+        namespace: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; returns their outputs in input order (always a list).
 
         ``prompts``: one prompt (as for ``submit``) or a list of them. ``params``: one
         SamplingParams for all, or one per prompt. If a request fails, the others still run
-        to completion and then the first error is raised.
+        to completion and then the first error is raised. ``tools`` (OpenAI's list of
+        functions; conversations only) are offered to the model in radixkv's tool format
+        (``engine.serving.tools``); ``tool_choice`` is "auto" (default), "none", "required"
+        or ``{"type": "function", "function": {"name": ...}}``; a reply that calls them has
+        ``tool_calls`` and finish_reason "tool_calls".
         """
+        if tools is not None:
+            return self._generate_with_tools(prompts, params, namespace, tools, tool_choice)
         handles: list[RequestHandle] = []
         with abort_on_exit(handles):  # interrupted (KeyboardInterrupt) or a submit failed
             for ids, p in self._prepare(prompts, params, namespace):
                 handles.append(self._submit_ids(ids, p, namespace))
             events = [handle.final_event() for handle in handles]
         return outputs_or_raise(events)
+
+    def _generate_with_tools(
+        self, prompts: Any, params: ParamsArg, namespace: str | None, tools: Any, choice: Any
+    ) -> list[RequestOutput]:
+        items = split_prompts(prompts)
+        if not all(isinstance(p, list) and p and isinstance(p[0], Mapping) for p in items):
+            raise ValueError("prompts: tools are offered in conversations (lists of messages)")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(items)
+        offered = [offer_tools(p, tools, choice) for p in params]
+        conversations = [with_tools(list(m), fns) for m, (fns, _) in zip(items, offered)]
+        outs = self.generate(conversations, [p for _, p in offered], namespace)
+        return [with_parsed_calls(o) for o in outs]
 
     def stream(
         self, prompt: Any, params: SamplingParams | None = None, namespace: str | None = None
@@ -260,11 +285,18 @@ class Engine:
         system: str | None = None,
         params: SamplingParams | None = None,
         namespace: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
     ) -> ChatSession:
-        """A multi-turn chat session; each turn reuses the KV of the conversation so far."""
+        """A multi-turn chat session; each turn reuses the KV of the conversation so far.
+        With ``tools`` every turn may call them (``session.last_output.tool_calls``); a
+        tool's result goes back with ``session.send(result, role="tool")``."""
         from engine.serving.chat import ChatSession
 
-        return ChatSession(self, system=system, params=params, namespace=namespace)
+        return ChatSession(
+            self, system=system, params=params, namespace=namespace, tools=tools,
+            tool_choice=tool_choice,
+        )
 
     def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
         """The token ids ``submit`` would run for ``prompt`` (a conversation rendered with the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.model.sampler import TokenLogprob
+from engine.serving.tools import ToolCall
 
 
 class RequestOutput(msgspec.Struct, frozen=True):
@@ -29,3 +30,5 @@ class RequestOutput(msgspec.Struct, frozen=True):
     queue_s: float | None = None
     itl_s: list[float] = []
     logprobs: list[TokenLogprob] | None = None
+    # The calls the reply made, when the request offered tools (finish_reason "tool_calls").
+    tool_calls: list[ToolCall] | None = None

@@ -1,0 +1,209 @@
+"""Tool calling for a model without a tool format of its own: one fixed, documented format.
+
+The tools are written into the system turn as JSON, one per line, after a fixed instruction;
+a call is the model's whole reply, a compact JSON object ``{"tool_calls": [{"name": ...,
+"arguments": {...}}]}``, which structured outputs force to be valid for the tool's
+``parameters`` schema (``required`` or a named tool: a call and nothing else; ``auto``: a call
+or a plain reply that does not start with ``{``). Everything is rendered byte-stable (fixed
+separators, arguments kept as the text the model generated), so an agent's step k+1 prompt
+begins with step k's prompt and reply and hits the cache. A model family with its own format
+plugs in the same way: a renderer and a parser.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from scheduler import StructuredOutputsParams
+
+INSTRUCTION = (
+    "You can call functions. The functions you can call, one JSON object per line:\n"
+    "{tools}\n"
+    'To call functions, reply with only a JSON object: {{"tool_calls": [{{"name": '
+    '"<function name>", "arguments": {{<arguments>}}}}]}}. Otherwise reply in plain text.'
+)
+SEPARATORS = (", ", ": ")  # what the constrained JSON is generated with, and rendered with
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CHOICES = ("none", "auto", "required")
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """One call the model made: ``arguments`` is the JSON text of the arguments, as OpenAI's
+    ``function.arguments`` carries it."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def check_tools(tools: Any, field: str = "tools") -> list[dict[str, Any]]:
+    """OpenAI's ``tools`` as a list of functions ``{"name", "description", "parameters"}``."""
+    if not isinstance(tools, Sequence) or isinstance(tools, str) or not tools:
+        raise ValueError(f"{field}: expected a non-empty list of tools")
+    functions = []
+    for i, tool in enumerate(tools):
+        where = f"{field}[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise ValueError(f"{where}.type: only 'function' tools are supported")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise ValueError(f"{where}.function: expected an object with a name")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}.function.name: expected a non-empty string")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, Mapping):
+            raise ValueError(f"{where}.function.parameters: expected a JSON schema object")
+        entry = {"name": name, "parameters": dict(parameters)}
+        if function.get("description"):
+            entry["description"] = str(function["description"])
+        functions.append(entry)
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{field}: function names must be unique, got {names}")
+    return functions
+
+
+def tools_text(functions: list[dict[str, Any]]) -> str:
+    """The system turn's tool section (byte-stable: keys sorted, fixed separators)."""
+    lines = "\n".join(
+        json.dumps(f, sort_keys=True, separators=SEPARATORS, ensure_ascii=False)
+        for f in functions
+    )
+    return INSTRUCTION.format(tools=lines)
+
+
+def with_tools(messages: list[dict[str, str]], functions: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The conversation with the tool section at the end of its system turn (one is added
+    first when it has none)."""
+    section = tools_text(functions)
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{section}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": section}, *messages]
+
+
+def tool_constraint(
+    functions: list[dict[str, Any]], choice: Any, parallel: bool = True, field: str = "tool_choice"
+) -> StructuredOutputsParams | None:
+    """What the reply must match: a call (``required``, a named function), a call or plain
+    text (``auto``), or anything (``none``)."""
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name")
+        chosen = [f for f in functions if f["name"] == name]
+        if not chosen:
+            raise ValueError(
+                f"{field}.function.name: {name!r} is not one of the tools "
+                f"{[f['name'] for f in functions]}"
+            )
+        return StructuredOutputsParams(json=call_schema(chosen, parallel=False))
+    if choice not in CHOICES:
+        raise ValueError(f"{field}: expected one of {CHOICES} or a named function, got {choice!r}")
+    if choice == "none":
+        return None
+    schema = call_schema(functions, parallel)
+    if choice == "required":
+        return StructuredOutputsParams(json=schema)
+    grammar = "start: call | reply\ncall: %json " + json.dumps(schema) + "\nreply: /[^{](.|\\n)*/"
+    return StructuredOutputsParams(grammar=grammar)
+
+
+def call_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """``{"tool_calls": [{"name": <one of the tools>, "arguments": <its parameters>}, ...]}``,
+    generated compact (the separators the history is rendered with)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": _closed(f["parameters"])},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    items: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    return {
+        "type": "object",
+        "properties": {"tool_calls": array},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+        "x-guidance": COMPACT,
+    }
+
+
+def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The arguments' schema with no properties beyond those it names, unless it says
+    otherwise (OpenAI's strict mode): a 135M model left free keeps inventing keys."""
+    if parameters.get("type", "object") == "object" and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
+
+
+def parse_tool_calls(text: str) -> list[ToolCall] | None:
+    """The calls in a reply in this format, or None when it is a plain reply."""
+    if not text.startswith('{"tool_calls"'):
+        return None
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        return None  # cut by max_tokens: not a call
+    calls = reply.get("tool_calls") if isinstance(reply, dict) else None
+    if not isinstance(calls, list):
+        return None
+    return [
+        ToolCall(
+            f"call_{uuid.uuid4().hex[:24]}",
+            str(call.get("name", "")),
+            json.dumps(call.get("arguments", {}), separators=SEPARATORS, ensure_ascii=False),
+        )
+        for call in calls
+        if isinstance(call, dict)
+    ]
+
+
+def calls_text(calls: Sequence[tuple[str, str]]) -> str:
+    """An assistant turn that made ``calls`` ((name, arguments JSON text) pairs), rendered as
+    the model generated it, so the history re-encodes to the same text."""
+    parts = [
+        '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ' + arguments + "}"
+        for name, arguments in calls
+    ]
+    return '{"tool_calls": [' + ", ".join(parts) + "]}"
+
+
+def offer_tools(
+    params: Any, tools: Any, tool_choice: Any, field: str = "params"
+) -> tuple[list[dict[str, Any]], Any]:
+    """The functions of ``tools`` and ``params`` constrained by ``tool_choice`` (a changed
+    copy of the frozen params)."""
+    functions = check_tools(tools)
+    structure = tool_constraint(functions, tool_choice)
+    if structure is None:
+        return functions, params
+    if params.structured_outputs is not None:
+        raise ValueError(f"{field}.structured_outputs: cannot be combined with tools")
+    return functions, msgspec.structs.replace(params, structured_outputs=structure)
+
+
+def with_parsed_calls(output: Any) -> Any:
+    """``output`` with its calls parsed (finish_reason "tool_calls"), or as it was."""
+    calls = parse_tool_calls(output.text)
+    if not calls:
+        return output
+    return msgspec.structs.replace(output, tool_calls=calls, finish_reason="tool_calls")

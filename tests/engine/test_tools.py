@@ -1,0 +1,68 @@
+"""Tool calling in the Python API: calls valid for their schema, and an agent loop whose every
+step hits the cache for everything before its new tool result."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from engine_helpers import assert_idle_accounting, greedy, user
+
+from engine import calls_text, parse_tool_calls
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}}]
+
+
+def test_required_calls_validate_and_render_back_to_the_same_text(engine) -> None:
+    asks = [user(f"What is the weather in {c}?") for c in ("Paris", "Oslo", "Lima")]
+    outs = engine.generate(asks, greedy(60), tools=TOOLS, tool_choice="required")
+    for out in outs:
+        assert out.finish_reason == "tool_calls" and out.tool_calls
+        for call in out.tool_calls:
+            assert call.name == "get_weather"
+            jsonschema.validate(json.loads(call.arguments), WEATHER)
+        # byte-stable: the history renders the calls as the model wrote them
+        assert calls_text([(c.name, c.arguments) for c in out.tool_calls]) == out.text
+    assert_idle_accounting(engine)
+
+
+def test_tool_choice_none_never_parses_a_call(engine) -> None:
+    [out] = engine.generate(user("Weather in Paris?"), greedy(20), tools=TOOLS, tool_choice="none")
+    assert out.tool_calls is None and out.finish_reason in ("stop", "length")
+
+
+def test_an_agent_loop_hits_the_cache_for_every_earlier_step(engine) -> None:
+    session = engine.chat(system="You are a weather assistant.", params=greedy(60),
+                          tools=TOOLS, tool_choice="required", namespace="agent-loop")
+    before = 0  # prompt + reply tokens of the previous step
+    for step, city in enumerate(("Paris", "Oslo", "Lima", "Rome")):
+        if step == 0:
+            session.send(f"What is the weather in {city}?")
+        else:
+            session.send(json.dumps({"city": city, "temperature": 10 + step}), role="tool")
+        out = session.last_output
+        assert out.tool_calls, out.text
+        if step:
+            # everything before this step's tool result, in whole pages of 16 tokens (the
+            # previous reply's last token was sampled, never fed back: its KV is not stored)
+            assert out.cached_tokens >= (before - 1) // 16 * 16, (step, out.cached_tokens, before)
+        before = out.prompt_tokens + len(out.token_ids)
+
+
+def test_tools_need_conversations_and_a_known_named_tool(engine) -> None:
+    with pytest.raises(ValueError, match=r"prompts: tools are offered in conversations"):
+        engine.generate("plain text", greedy(4), tools=TOOLS)
+    with pytest.raises(ValueError, match=r"tool_choice.function.name: 'nope'"):
+        engine.generate(user("hi"), greedy(4), tools=TOOLS,
+                        tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert parse_tool_calls("plain reply") is None

@@ -43,7 +43,10 @@ if TYPE_CHECKING:
         ToolCall,
         calls_text,
         check_tools,
+        is_call_reply,
+        new_call_id,
         parse_tool_calls,
+        scan_calls,
         tool_constraint,
         with_tools,
     )
@@ -71,6 +74,9 @@ _HOMES = {
     "ChatSession": "engine.serving.chat",
     "ToolCall": "engine.serving.tools",
     "calls_text": "engine.serving.tools",
+    "is_call_reply": "engine.serving.tools",
+    "new_call_id": "engine.serving.tools",
+    "scan_calls": "engine.serving.tools",
     "check_tools": "engine.serving.tools",
     "parse_tool_calls": "engine.serving.tools",
     "tool_constraint": "engine.serving.tools",
@@ -93,6 +99,9 @@ _HOMES = {
 }
 
 __all__ = [
+    "is_call_reply",
+    "new_call_id",
+    "scan_calls",
     "ToolCall",
     "calls_text",
     "check_tools",

@@ -20,9 +20,11 @@ from starlette.responses import JSONResponse, Response
 from engine import (
     RequestOutput,
     TokenLogprob,
-    ToolCall,
     check_tools,
+    is_call_reply,
+    new_call_id,
     parse_tool_calls,
+    scan_calls,
     tool_constraint,
     with_tools,
 )
@@ -113,8 +115,8 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     """The role chunk of every choice, a chunk per delta, the usage chunk if asked, [DONE];
     an error after the first byte is sent in-band (the status line is long gone). With tools,
-    a reply that begins with ``{`` is a call: it is held back and sent as ``tool_calls``
-    deltas (the id and name once, then the arguments in fragments) when it is complete."""
+    a reply that begins with ``{`` is a call, sent as ``tool_calls`` deltas while it is
+    generated: each call's id and name once, then its arguments in fragments."""
     created = int(time.time())
     with_usage = stream_usage(req)
     per_chunk = None if with_usage else NO_USAGE  # OpenAI: "usage": null on every chunk
@@ -122,29 +124,30 @@ async def _stream(
     def chunk(item: dict[str, Any]) -> bytes:
         return sse(envelope(state, rid, "chat.completion.chunk", created, [item], per_chunk))
 
-    held: dict[int, list[str]] = {}  # choice index -> text held back (a call, maybe)
+    calls = {choice.index: _CallStream() for choice in choices} if calling else {}
     outputs: list[RequestOutput] = []
     try:
         for choice in choices:
             role = {"role": "assistant", "content": ""}
             yield chunk(_item(state, req, choice, role, [], [], None))
         async for u in updates(state, choices):
-            index = u.choice.index
-            if calling and (index in held or (u.text.startswith("{") and u.output is None)):
-                held.setdefault(index, []).append(u.text)
+            stream = calls.get(u.choice.index)
+            if stream is not None and stream.reading(u.text):
+                for delta in stream.deltas():
+                    yield chunk(_item(state, req, u.choice, delta, [], [], None))
                 if u.output is None:
                     continue
-                calls = parse_tool_calls(u.output.text)
-                if calls:
-                    for item in _call_deltas(state, req, u.choice, calls):
-                        yield chunk(item)
-                    yield chunk(_item(state, req, u.choice, {}, u.token_ids, u.logprobs,
-                                      "tool_calls"))
-                    outputs.append(u.output)
-                    continue
-                text = "".join(held.pop(index))  # not a call after all: send the text
-                yield chunk(_item(state, req, u.choice, {"content": text}, [], [], None))
-            delta = {"content": u.text} if u.output is None else {}
+                called = parse_tool_calls(u.output.text) is not None
+                reason = "tool_calls" if called else u.output.finish_reason
+                yield chunk(_item(state, req, u.choice, {}, u.token_ids, u.logprobs, reason))
+                outputs.append(u.output)
+                continue
+            text = u.text
+            if stream is not None and stream.held:  # a plain reply: the text held so far
+                text, stream.held = stream.held, ""
+                if u.output is not None:
+                    yield chunk(_item(state, req, u.choice, {"content": text}, [], [], None))
+            delta = {"content": text} if u.output is None else {}
             reason = None if u.output is None else u.output.finish_reason
             yield chunk(_item(state, req, u.choice, delta, u.token_ids, u.logprobs, reason))
             if u.output is not None:
@@ -157,20 +160,39 @@ async def _stream(
     yield sse("[DONE]")
 
 
-FRAGMENT_CHARS = 16  # arguments are streamed in pieces of this many characters
+class _CallStream:
+    """One choice's reply while it may be a call: held until its first characters decide,
+    then, for a call, OpenAI's deltas as the text grows: each call's id, type and name once,
+    then its arguments in the fragments that arrive (they join to the final arguments)."""
 
+    def __init__(self) -> None:
+        self.held = ""  # the reply so far, while undecided or a call
+        self.is_call: bool | None = None
+        self._sent: list[tuple[str, int]] = []  # per call: its id, argument characters sent
 
-def _call_deltas(
-    state: ServerState, req: ChatRequest, choice: Choice, calls: list[ToolCall]
-) -> list[dict[str, Any]]:
-    """OpenAI's streamed tool calls: per call, its id, type and name with empty arguments,
-    then the arguments in fragments that join to the whole."""
-    items = []
-    for k, call in enumerate(calls):
-        head = {"index": k, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}
-        items.append(_item(state, req, choice, {"tool_calls": [head]}, [], [], None))
-        for at in range(0, len(call.arguments), FRAGMENT_CHARS):
-            piece = {"index": k, "function": {"arguments": call.arguments[at : at + FRAGMENT_CHARS]}}
-            items.append(_item(state, req, choice, {"tool_calls": [piece]}, [], [], None))
-    return items
+    def reading(self, text: str) -> bool:
+        """Takes the next text; whether the reply is (still possibly) a call."""
+        if self.is_call is False:
+            return False
+        self.held += text
+        if self.held and not is_call_reply(self.held):
+            self.is_call = False
+            return False
+        self.is_call = True if self.held else None
+        return True
+
+    def deltas(self) -> list[dict[str, Any]]:
+        out = []
+        for k, (name, arguments, _) in enumerate(scan_calls(self.held).calls):
+            if k == len(self._sent):
+                self._sent.append((new_call_id(), 0))
+                call_id = self._sent[k][0]
+                head = {"index": k, "id": call_id, "type": "function",
+                        "function": {"name": name, "arguments": ""}}
+                out.append({"tool_calls": [head]})
+            call_id, sent = self._sent[k]
+            if len(arguments) > sent:
+                piece = {"index": k, "function": {"arguments": arguments[sent:]}}
+                out.append({"tool_calls": [piece]})
+                self._sent[k] = (call_id, len(arguments))
+        return out

@@ -13,9 +13,10 @@ plugs in the same way: a renderer and a parser.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -155,26 +156,89 @@ def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
     return parameters
 
 
+CALLS_PREFIX = '{"tool_calls": ['
+_HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+class CallScan(NamedTuple):
+    """What a (possibly unfinished) reply in the call format holds so far: each call's name
+    and the text of its arguments up to here, whether that call's arguments are complete,
+    and whether the whole reply is."""
+
+    calls: list[tuple[str, str, bool]]
+    complete: bool
+
+
+def is_call_reply(text: str) -> bool:
+    """Whether ``text`` (or the reply it begins) is a call rather than a plain reply."""
+    return text.startswith(CALLS_PREFIX) or CALLS_PREFIX.startswith(text) and text != ""
+
+
+def scan_calls(text: str) -> CallScan:
+    """Reads the calls of a reply as far as it goes: append-only, so a stream can send each
+    call's name once and its arguments in fragments that join to the final text."""
+    calls: list[tuple[str, str, bool]] = []
+    if not text.startswith(CALLS_PREFIX):
+        return CallScan(calls, False)
+    pos = len(CALLS_PREFIX)
+    while True:
+        header = _HEADER.match(text, pos)
+        if header is None:
+            return CallScan(calls, False)
+        name = json.loads(header.group(1))
+        start = header.end()
+        end = _value_end(text, start)
+        if end is None:
+            calls.append((name, text[start:], False))
+            return CallScan(calls, False)
+        calls.append((name, text[start:end], True))
+        rest = text[end:]
+        if rest.startswith("}, "):
+            pos = end + 3
+            continue
+        return CallScan(calls, rest == "}]}")
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array at ``start`` ends (None: not yet)."""
+    depth = 0
+    in_string = escaped = False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def parse_tool_calls(text: str) -> list[ToolCall] | None:
-    """The calls in a reply in this format, or None when it is a plain reply."""
-    if not text.startswith('{"tool_calls"'):
+    """The calls of a finished reply in this format, their arguments as the model wrote them;
+    None for a plain reply or one cut before its end."""
+    scan = scan_calls(text)
+    if not scan.complete:
         return None
     try:
-        reply = json.loads(text)
+        for _, arguments, _ in scan.calls:
+            json.loads(arguments)
     except ValueError:
-        return None  # cut by max_tokens: not a call
-    calls = reply.get("tool_calls") if isinstance(reply, dict) else None
-    if not isinstance(calls, list):
         return None
-    return [
-        ToolCall(
-            f"call_{uuid.uuid4().hex[:24]}",
-            str(call.get("name", "")),
-            json.dumps(call.get("arguments", {}), separators=SEPARATORS, ensure_ascii=False),
-        )
-        for call in calls
-        if isinstance(call, dict)
-    ]
+    return [ToolCall(new_call_id(), name, arguments) for name, arguments, _ in scan.calls]
 
 
 def calls_text(calls: Sequence[tuple[str, str]]) -> str:

@@ -79,6 +79,7 @@ def test_streamed_tool_call_deltas_join_to_the_whole_call(client: openai.OpenAI)
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
     reasons = []
+    fragments = 0
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
@@ -88,10 +89,23 @@ def test_streamed_tool_call_deltas_join_to_the_whole_call(client: openai.OpenAI)
                     assert call["id"] is None  # the id and the name come once
                     call["id"], call["name"] = delta.id, delta.function.name
                 call["arguments"] += delta.function.arguments or ""
+                fragments += bool(delta.function.arguments)
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
         (c.function.name, c.function.arguments) for c in whole
     ]
     assert reasons[-1] == "tool_calls"
+    assert fragments > len(calls)  # the arguments arrive as they are generated, in pieces
+
+
+def test_a_streamed_plain_reply_under_auto_is_the_whole_reply(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS,
+                  max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message
+    if whole.tool_calls:
+        pytest.skip("the model called a tool here")
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole.content
 
 
 def test_a_tool_round_trip_hits_the_cache_for_the_whole_first_step(client: openai.OpenAI) -> None:

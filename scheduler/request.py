@@ -72,9 +72,13 @@ class Request:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 
     def is_stop_token(self, token: int) -> bool:
-        """True if ``token`` ends this request (its text is then not part of the reply)."""
-        return token in self.params.stop_token_ids or (
-            not self.params.ignore_eos and token in self.eos_token_ids
+        """True if ``token`` ends this request (its text is then not part of the reply).
+        ``ignore_eos`` does not hold under structured outputs: their grammar allows EOS only
+        where the structure may end, and after it nothing but EOS."""
+        params = self.params
+        ignore_eos = params.ignore_eos and params.structured_outputs is None
+        return token in params.stop_token_ids or (
+            not ignore_eos and token in self.eos_token_ids
         )
 
     def finish_reason_after(self, token: int, stop_string: bool = False) -> str | None:

@@ -110,3 +110,10 @@ def test_a_spec_must_name_exactly_one_kind() -> None:
         Structured(regex="a", choice=["b"])
     with pytest.raises(ValueError, match=r"structured_outputs: give exactly one of"):
         Structured()
+
+
+def test_a_complete_structure_ends_the_request_even_with_ignore_eos(engine) -> None:
+    params = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True,
+                            structured_outputs=Structured(choice=["yes", "no"]))
+    [out] = engine.generate(user("Is the sky blue?"), params)
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"

@@ -106,7 +106,8 @@ class RemoteEngine:
         pool = pool if pool is not None else self.max_context
         [(ids, p)] = self._prompts.prepare(prompt, params, namespace, pool, single=True)
         text = self.tokenizer.decode(ids)
-        call = EngineCall(PromptIds(ids), p, namespace, stream, text)
+        ids = ids if isinstance(ids, PromptIds) else PromptIds(ids)  # checked: replicas trust it
+        call = EngineCall(ids, p, namespace, stream, text)
         request_id = next(self._ids)
         handle = RequestHandle(request_id, self._abort)
         task = asyncio.get_running_loop().create_task(self._pump(call, handle))

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from engine.serving.prompts import PromptPreparer
     from engine.serving.stats import EngineStats
     from engine.serving.tools import (
+        CallScanner,
         ToolCall,
         calls_text,
         check_tools,
@@ -74,6 +75,7 @@ _HOMES = {
     "ChatSession": "engine.serving.chat",
     "ToolCall": "engine.serving.tools",
     "calls_text": "engine.serving.tools",
+    "CallScanner": "engine.serving.tools",
     "is_call_reply": "engine.serving.tools",
     "new_call_id": "engine.serving.tools",
     "scan_calls": "engine.serving.tools",
@@ -99,6 +101,7 @@ _HOMES = {
 }
 
 __all__ = [
+    "CallScanner",
     "is_call_reply",
     "new_call_id",
     "scan_calls",

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from scheduler import SchedulerConfig
+from scheduler import POLICIES, SchedulerConfig
 
 BACKENDS = ("torch", "flashinfer")  # attention backends by name ("auto" picks one)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -224,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache size in bytes, e.g. 2G (default: 1G or an eighth of the memory on a CPU)")
     add("--max-running", type=int, metavar="N", help="requests running at once (default 64)")
     add("--max-batch-tokens", type=int, metavar="N", help="tokens per step (default 1024)")
-    add("--policy", choices=("fcfs", "lpm", "dfs-weight"),
+    add("--policy", choices=POLICIES,
         help="order of waiting requests (default lpm: longest cached prefix first)")
     add("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
         help="reuse nothing across requests (the baseline)")

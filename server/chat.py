@@ -18,13 +18,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import (
+    CallScanner,
     RequestOutput,
     TokenLogprob,
     check_tools,
     is_call_reply,
     new_call_id,
     parse_tool_calls,
-    scan_calls,
     tool_constraint,
     with_tools,
 )
@@ -144,7 +144,7 @@ async def _stream(
                 continue
             text = u.text
             if stream is not None and stream.held:  # a plain reply: the text held so far
-                text, stream.held = stream.held, ""
+                text = stream.take_held()
                 if u.output is not None:
                     yield chunk(_item(state, req, u.choice, {"content": text}, [], [], None))
             delta = {"content": text} if u.output is None else {}
@@ -166,15 +166,24 @@ class _CallStream:
     then its arguments in the fragments that arrive (they join to the final arguments)."""
 
     def __init__(self) -> None:
-        self.held = ""  # the reply so far, while undecided or a call
+        self._scanner = CallScanner()  # the reply so far, read once, while it may be a call
         self.is_call: bool | None = None
         self._sent: list[tuple[str, int]] = []  # per call: its id, argument characters sent
+
+    @property
+    def held(self) -> str:
+        return self._scanner.text
+
+    def take_held(self) -> str:
+        """The text held while undecided, once: the reply turned out plain."""
+        text, self._scanner = self.held, CallScanner()
+        return text
 
     def reading(self, text: str) -> bool:
         """Takes the next text; whether the reply is (still possibly) a call."""
         if self.is_call is False:
             return False
-        self.held += text
+        self._scanner.feed(text)
         if self.held and not is_call_reply(self.held):
             self.is_call = False
             return False
@@ -183,16 +192,17 @@ class _CallStream:
 
     def deltas(self) -> list[dict[str, Any]]:
         out = []
-        for k, (name, arguments, _) in enumerate(scan_calls(self.held).calls):
+        text = self.held
+        for k, (name, start, end) in enumerate(self._scanner.spans()):
             if k == len(self._sent):
                 self._sent.append((new_call_id(), 0))
-                call_id = self._sent[k][0]
-                head = {"index": k, "id": call_id, "type": "function",
+                head = {"index": k, "id": self._sent[k][0], "type": "function",
                         "function": {"name": name, "arguments": ""}}
                 out.append({"tool_calls": [head]})
             call_id, sent = self._sent[k]
-            if len(arguments) > sent:
-                piece = {"index": k, "function": {"arguments": arguments[sent:]}}
+            stop = len(text) if end is None else end
+            if start + sent < stop:
+                piece = {"index": k, "function": {"arguments": text[start + sent : stop]}}
                 out.append({"tool_calls": [piece]})
-                self._sent[k] = (call_id, len(arguments))
+                self._sent[k] = (call_id, stop - start)
         return out

@@ -99,7 +99,7 @@ class ChatSession:
         self._tools = tools
         self._tool_choice = tool_choice
         if tools is not None:  # the tool section joins the system turn once, byte-stable
-            functions, self._params = offer_tools(params or SamplingParams(), tools, tool_choice)
+            functions, [self._params] = offer_tools([params or SamplingParams()], tools, tool_choice)
             self._messages = with_tools(self._messages, functions)
         self._conversation_ids: list[int] = []  # last turn's prompt + reply tokens
         self.last_output: RequestOutput | None = None

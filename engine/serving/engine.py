@@ -196,9 +196,9 @@ class Engine:
             raise ValueError("prompts: tools are offered in conversations (lists of messages)")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(items)
-        offered = [offer_tools(p, tools, choice) for p in params]
-        conversations = [with_tools(list(m), fns) for m, (fns, _) in zip(items, offered)]
-        outs = self.generate(conversations, [p for _, p in offered], namespace)
+        functions, constrained = offer_tools(params, tools, choice)
+        conversations = [with_tools(list(m), functions) for m in items]
+        outs = self.generate(conversations, constrained, namespace)
         return [with_parsed_calls(o) for o in outs]
 
     def stream(

@@ -5,6 +5,7 @@ loop knows (failed requests, the queue)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from typing import Any
 
@@ -65,6 +66,7 @@ def snapshot(scheduler: Scheduler, failed: int) -> EngineStats:
     )
 
 
+@functools.cache
 def _fields(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     if dataclasses.is_dataclass(cls):

@@ -175,52 +175,93 @@ def is_call_reply(text: str) -> bool:
 
 
 def scan_calls(text: str) -> CallScan:
-    """Reads the calls of a reply as far as it goes: append-only, so a stream can send each
-    call's name once and its arguments in fragments that join to the final text."""
-    calls: list[tuple[str, str, bool]] = []
-    if not text.startswith(CALLS_PREFIX):
-        return CallScan(calls, False)
-    pos = len(CALLS_PREFIX)
-    while True:
-        header = _HEADER.match(text, pos)
-        if header is None:
-            return CallScan(calls, False)
-        name = json.loads(header.group(1))
-        start = header.end()
-        end = _value_end(text, start)
-        if end is None:
-            calls.append((name, text[start:], False))
-            return CallScan(calls, False)
-        calls.append((name, text[start:end], True))
-        rest = text[end:]
-        if rest.startswith("}, "):
-            pos = end + 3
-            continue
-        return CallScan(calls, rest == "}]}")
+    """The calls of a whole (or unfinished) reply, as far as it goes."""
+    return CallScanner().feed(text)
 
 
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array at ``start`` ends (None: not yet)."""
-    depth = 0
-    in_string = escaped = False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+class CallScanner:
+    """Reads a reply in the call format as it grows, each character once (a stream feeds it
+    every delta): append-only, so a stream can send each call's name once and its arguments
+    in fragments that join to the final text."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._calls: list[tuple[str, int]] = []  # each call's name and where its arguments begin
+        self._ends: list[int] = []  # where the complete calls' arguments end
+        self._header_at = len(CALLS_PREFIX)  # where the next call's header is expected
+        self._value: _ValueScan | None = None  # the arguments being read
+        self._after: int | None = None  # a call's end, its separator not read yet
+        self._complete = False
+
+    def feed(self, text: str) -> CallScan:
+        self.text += text
+        t = self.text
+        if not t.startswith(CALLS_PREFIX):
+            return CallScan([], False)
+        while not self._complete:
+            if self._after is not None:
+                rest = t[self._after :]
+                if rest.startswith("}, "):
+                    self._header_at, self._after = self._after + 3, None
+                    continue
+                self._complete = rest == "}]}"
+                break
+            if self._value is None:
+                header = _HEADER.match(t, self._header_at)
+                if header is None:
+                    break
+                self._calls.append((json.loads(header.group(1)), header.end()))
+                self._value = _ValueScan(header.end())
+            end = self._value.advance(t)
+            if end is None:
+                break
+            self._ends.append(end)
+            self._value, self._after = None, end
+        return self.scan()
+
+    def spans(self) -> list[tuple[str, int, int | None]]:
+        """Each call's name and where its arguments begin and end (None: not yet) in
+        ``text``: a stream slices only what it has not sent."""
+        ends: list[int | None] = [*self._ends, None]
+        return [(name, start, ends[min(k, len(ends) - 1)]) for k, (name, start) in
+                enumerate(self._calls)]
+
+    def scan(self) -> CallScan:
+        calls = [(name, self.text[start:end], end is not None)
+                 for name, start, end in self.spans()]
+        return CallScan(calls, self._complete)
+
+
+class _ValueScan:
+    """Where a JSON object or array ends, found by reading on from where it stopped."""
+
+    def __init__(self, start: int) -> None:
+        self.at = start
+        self.depth = 0
+        self.in_string = self.escaped = False
+
+    def advance(self, text: str) -> int | None:
+        """The index after the value's last character, or None (not there yet)."""
+        for i in range(self.at, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.at = i + 1
+                    return i + 1
+        self.at = len(text)
+        return None
 
 
 def new_call_id() -> str:
@@ -252,17 +293,22 @@ def calls_text(calls: Sequence[tuple[str, str]]) -> str:
 
 
 def offer_tools(
-    params: Any, tools: Any, tool_choice: Any, field: str = "params"
-) -> tuple[list[dict[str, Any]], Any]:
-    """The functions of ``tools`` and ``params`` constrained by ``tool_choice`` (a changed
-    copy of the frozen params)."""
+    params: Sequence[Any], tools: Any, tool_choice: Any
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The functions of ``tools`` (checked once) and each of ``params`` constrained by
+    ``tool_choice`` (changed copies of the frozen params; one copy per distinct params)."""
     functions = check_tools(tools)
     structure = tool_constraint(functions, tool_choice)
     if structure is None:
-        return functions, params
-    if params.structured_outputs is not None:
-        raise ValueError(f"{field}.structured_outputs: cannot be combined with tools")
-    return functions, msgspec.structs.replace(params, structured_outputs=structure)
+        return functions, list(params)
+    copies: dict[int, Any] = {}
+    for i, p in enumerate(params):
+        if id(p) not in copies:
+            if p.structured_outputs is not None:
+                field = "params" if len(params) == 1 else f"params[{i}]"
+                raise ValueError(f"{field}.structured_outputs: cannot be combined with tools")
+            copies[id(p)] = msgspec.structs.replace(p, structured_outputs=structure)
+    return functions, [copies[id(p)] for p in params]
 
 
 def with_parsed_calls(output: Any) -> Any:

@@ -8,8 +8,11 @@ import json
 import jsonschema
 import pytest
 from engine_helpers import assert_idle_accounting, greedy, user
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine import calls_text, parse_tool_calls
+from engine import CallScanner, calls_text, parse_tool_calls, scan_calls
+from engine.serving.tools import SEPARATORS
 
 WEATHER = {
     "type": "object",
@@ -66,3 +69,33 @@ def test_tools_need_conversations_and_a_known_named_tool(engine) -> None:
         engine.generate(user("hi"), greedy(4), tools=TOOLS,
                         tool_choice={"type": "function", "function": {"name": "nope"}})
     assert parse_tool_calls("plain reply") is None
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.text(min_size=1, max_size=8),
+            st.recursive(
+                st.none() | st.integers() | st.text(max_size=6),
+                lambda inner: st.lists(inner, max_size=3)
+                | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                max_leaves=6,
+            ).map(lambda v: {"v": v}),
+        ),
+        min_size=1, max_size=3,
+    ),
+    cuts=st.lists(st.integers(0, 400), max_size=12),
+)
+def test_a_call_reply_read_in_any_pieces_reads_as_the_whole(calls, cuts) -> None:
+    text = calls_text([(name, json.dumps(args, separators=SEPARATORS)) for name, args in calls])
+    whole = scan_calls(text)
+    assert whole.complete and [(n, json.loads(a)) for n, a, _ in whole.calls] == calls
+    scanner = CallScanner()
+    at = 0
+    for cut in sorted({min(c, len(text)) for c in cuts}) + [len(text)]:
+        scan = scanner.feed(text[at:cut])
+        at = cut
+        for (name, arguments, _), (final_name, final, _) in zip(scan.calls, whole.calls):
+            assert name == final_name and final.startswith(arguments)  # append-only
+    assert scan == whole

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import BACKENDS
 from engine.model.attention.base import AttentionBackend
 from engine.model.model_config import ModelConfig
-
-BACKENDS = ("torch", "flashinfer")
 
 
 def create_backend(

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from scheduler import POLICIES, SchedulerConfig
+from scheduler import POLICIES, SPECULATION, SchedulerConfig
 
 BACKENDS = ("torch", "flashinfer")  # attention backends by name ("auto" picks one)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -228,6 +228,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="order of waiting requests (default lpm: longest cached prefix first)")
     add("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
         help="reuse nothing across requests (the baseline)")
+    add("--speculation", choices=SPECULATION,
+        help="speculative decoding: tree (drafts from the prefix tree and n-gram lookups, "
+        "verified exactly) or off (default)")
+    add("--num-speculative-tokens", type=int, metavar="N",
+        help="at most N draft tokens per request and step (default 8)")
     add("--backend", choices=("auto", *BACKENDS), help="attention backend (default auto)")
     add("--threads", type=int, metavar="N", help="CPU threads for prefill (default: all cores)")
     add("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None,

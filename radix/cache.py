@@ -11,7 +11,7 @@ from radix.hashing import namespace_seed
 from radix.invariants import check_tree
 from radix.node import Node, PrefixInsert, PrefixMatch
 from radix.tiers.record import EvictedPage
-from radix.tokens import TOKEN_BYTES, TOKEN_DTYPE, encode_tokens
+from radix.tokens import TOKEN_BYTES, TOKEN_DTYPE, decode_tokens, encode_tokens
 
 
 class RadixCache:
@@ -208,6 +208,42 @@ class RadixCache:
             path.append(child)
             break
         return node, pos, pages, path
+
+    def continuation(self, node: Node, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens the tree holds right after ``node``'s prefix followed by
+        ``tokens`` (empty when the tree does not hold that sequence). Read-only: nothing is
+        split, touched or locked, so a speculative lookup never changes what gets evicted.
+        ``node`` must be live (a handle's locked node). Where the path forks, the most recently
+        used branch is read."""
+        if max_tokens <= 0:
+            return []
+        buf = encode_tokens(tokens)
+        page_bytes = self._page_bytes
+        pos = 0
+        while True:
+            if pos == len(buf):
+                if not node.children:
+                    return []
+                node = max(node.children.values(), key=_last_access)
+                return decode_tokens(node.key[: max_tokens * TOKEN_BYTES])
+            rest = len(buf) - pos
+            if rest >= page_bytes:
+                child = node.children.get(buf[pos : pos + page_bytes])
+            else:  # a part of a page: the children whose first page begins with it
+                tail = buf[pos:]
+                found = [c for c in node.children.values() if c.key.startswith(tail)]
+                child = max(found, key=_last_access) if found else None
+            if child is None:
+                return []
+            key = child.key
+            if rest < len(key):
+                if not key.startswith(buf[pos:]):
+                    return []
+                return decode_tokens(key[rest : rest + max_tokens * TOKEN_BYTES])
+            if not buf.startswith(key, pos):
+                return []
+            pos += len(key)
+            node = child
 
     @staticmethod
     def _common_prefix_bytes(buf: bytes, pos: int, end: int, key: bytes) -> int:
@@ -430,3 +466,7 @@ class RadixCache:
         )
         for key, node in self._lru.items():
             assert leaves.get(key) is node, f"LRU index entry {key} is stale"
+
+
+def _last_access(node: Node) -> int:
+    return node.last_access

@@ -187,16 +187,17 @@ class KVManager:
         self._tree.lock(found.node)
         return CacheHandle(namespace, found.node, list(found.pages), found.length)
 
-    def allocate(self, handle: CacheHandle, num_tokens: int) -> bool:
+    def allocate(self, handle: CacheHandle, num_tokens: int, evict: bool = True) -> bool:
         """Grow ``handle``'s page table to hold ``num_tokens`` tokens, evicting LRU pages if
-        the free list is short. False (and nothing taken) when not enough can be had."""
+        the free list is short (unless not ``evict``: speculative tokens never push cached
+        prefixes out). False (and nothing taken) when not enough can be had."""
         need = -(-num_tokens // self._page_size) - len(handle.pages)
         if need <= 0:
             return True
         allocator = self._allocator
         short = need - allocator.num_free
         if short > 0:
-            if short > self._tree.evictable_pages:
+            if not evict or short > self._tree.evictable_pages:
                 return False
             if self._tiers is None and not self._listeners:
                 freed = self._tree.evict(short)
@@ -213,6 +214,14 @@ class KVManager:
         assert pages is not None, "eviction freed fewer pages than it promised"
         handle.pages.extend(pages)
         return True
+
+    def continuation(
+        self, handle: CacheHandle, tokens: Sequence[int], max_tokens: int
+    ) -> list[int]:
+        """Up to ``max_tokens`` tokens the tree holds after ``handle``'s cached prefix followed
+        by ``tokens`` (a request's tokens after ``cached_len``): what an earlier request with
+        the same sequence went on with, in the handle's namespace only. Changes nothing."""
+        return self._tree.continuation(handle.node, tokens, max_tokens)
 
     def cache(self, handle: CacheHandle, tokens: Sequence[int]) -> CacheHandle:
         """Hand the whole pages of ``tokens`` (computed, in ``handle.pages``) to the tree.

@@ -1,13 +1,15 @@
 """scheduler: what runs next (pure Python, no torch).
 
 SamplingParams (what a request asks for), request states, waiting-queue policies (fcfs, lpm, dfs-weight, with in-batch grouping) and the
-Scheduler: continuous batching, chunked prefill, admission with a decode reserve, preemption.
+Scheduler: continuous batching, chunked prefill, admission with a decode reserve, preemption,
+and speculative decoding from the radix tree (drafts.py: what to guess; speculation.py: how many
+guesses a step verifies).
 """
 
 from __future__ import annotations
 
 from scheduler.batch import Batch, BatchEntry
-from scheduler.config import POLICIES, SchedulerConfig
+from scheduler.config import POLICIES, SPECULATION, SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.params import SamplingParams, StructuredOutputsParams
 from scheduler.request import Request, RequestState
@@ -15,6 +17,7 @@ from scheduler.scheduler import Scheduler
 
 __all__ = [
     "POLICIES",
+    "SPECULATION",
     "Batch",
     "BatchEntry",
     "Request",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.request import Request
 
@@ -16,7 +16,9 @@ class BatchEntry:
     ``start_pos + len(input_ids)`` tokens (the page table after this step's append), and
     ``slots[i] = page * page_size + offset`` is where the K/V of ``input_ids[i]`` goes.
     ``sample`` is False for a prefill chunk that does not reach the end of what must be
-    computed: its logits are not needed.
+    computed: its logits are not needed. ``draft`` (speculative decoding) are guessed tokens
+    fed after the decode's token (``input_ids = [last sampled] + draft``): every one of its
+    rows is sampled, and the longest prefix of the draft that matches is accepted.
     """
 
     request: Request
@@ -25,6 +27,7 @@ class BatchEntry:
     pages: list[int]
     slots: list[int]
     sample: bool
+    draft: list[int] = field(default_factory=list)
 
     @classmethod
     def on_pages(
@@ -55,7 +58,16 @@ class BatchEntry:
         """This entry feeds back the token sampled last step: a decode step of the request
         (it computes no prompt token). A prompt's one-token last prefill chunk is not one,
         though it has a decode's shape (``ForwardBatch.decode_shaped``, what kernels go by)."""
-        return len(self.input_ids) == 1 and self.start_pos > 0 and bool(self.request.output)
+        return (
+            len(self.input_ids) == 1 + len(self.draft)
+            and self.start_pos > 0
+            and bool(self.request.output)
+        )
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of this entry that are sampled: the last token's, and one per draft token."""
+        return 1 + len(self.draft) if self.sample else 0
 
 
 @dataclass

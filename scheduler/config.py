@@ -7,6 +7,8 @@ import numbers
 import msgspec
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")
+SPECULATION = ("off", "tree")
+MAX_SPECULATIVE_TOKENS = 32
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,6 +44,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Waiting requests examined per step beyond those admitted (bounds the cost of a step
     # when thousands of requests wait behind in-flight prefixes).
     max_lookahead: int = 256
+    # Speculative decoding without a draft model ("tree": drafts from the radix tree's
+    # continuations and n-gram lookups, verified in the decode step; scheduler/drafts.py), at
+    # most ``num_speculative_tokens`` draft tokens per request and step (the gate picks fewer).
+    speculation: str = "off"
+    num_speculative_tokens: int = 8
 
     def __post_init__(self) -> None:
         _positive_int("page_size", self.page_size)
@@ -55,6 +62,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache: must be a bool, got {self.prefix_cache!r}")
+        if self.speculation not in SPECULATION:
+            raise ValueError(
+                f"speculation: must be one of {', '.join(SPECULATION)}, got {self.speculation!r}"
+            )
+        n = self.num_speculative_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens: must be an int in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {n!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not isinstance(self.group_min_tokens, int) or self.group_min_tokens < 0:

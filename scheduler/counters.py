@@ -32,11 +32,23 @@ class SchedulerCounters:
     steps: int = 0
     # Waiting requests held back one step because a prefill in flight computes their prefix.
     grouped_deferrals: int = 0
+    # Speculative decoding (vLLM's names): verify rows run, draft tokens in them, draft tokens
+    # accepted, and accepted tokens by their position in the draft (0 = first).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def hit_rate(self) -> float:
         """The one place the hit rate is derived."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens over draft tokens verified (0 when nothing was drafted)."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
 
     @property
     def cached_tokens_pool(self) -> int:

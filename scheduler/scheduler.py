@@ -22,11 +22,13 @@ from radix import KVManager
 from scheduler.batch import Batch, BatchEntry
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
+from scheduler.drafts import DraftSource, Drafter
 from scheduler.grouping import PrefillClaims
 from scheduler.matching import MatchIndex, matchable_length, root_anchor
 from scheduler.params import SamplingParams
 from scheduler.policy import make_queue
 from scheduler.request import Request, RequestState
+from scheduler.speculation import Candidate, SpeculationGate
 
 # Weight of one finished request in the moving average of the generated fraction.
 _RATIO_EMA_WEIGHT = 0.1
@@ -67,6 +69,14 @@ class Scheduler:
         self._generated_fraction = config.reserve_ratio_init
         self._preemption_boost = 0.0
         self._inflight: Batch | None = None
+        # Speculative decoding (None: off): what to guess, how much of it to verify.
+        self._drafter: Drafter | None = None
+        self._gate: SpeculationGate | None = None
+        self._draft_sources: dict[Request, DraftSource] = {}
+        self._accepted_per_pos = [0] * config.num_speculative_tokens
+        if config.speculation == "tree":
+            self._drafter = Drafter(kv, config.num_speculative_tokens)
+            self._gate = SpeculationGate()
 
     # ------------------------------------------------------------------ public API
 
@@ -81,7 +91,12 @@ class Scheduler:
     @property
     def counters(self) -> SchedulerCounters:
         """A snapshot of the monotone counters (evicted pages as the KV manager counts them)."""
-        return replace(self._counters, evicted_pages=self._kv.evicted_pages)
+        per_pos = tuple(self._accepted_per_pos) if self._gate is not None else ()
+        return replace(
+            self._counters,
+            evicted_pages=self._kv.evicted_pages,
+            spec_decode_num_accepted_tokens_per_pos=per_pos,
+        )
 
     @property
     def has_work(self) -> bool:
@@ -169,6 +184,9 @@ class Scheduler:
                 self._plan_tokens(plan, request, min(remaining, plan.budget))
         # 3. New (and preempted) requests.
         self._admit(plan)
+        # 4. Draft tokens for decoding requests, where the gate expects them to pay.
+        if self._drafter is not None and plan.entries:
+            self._add_drafts(plan)
         if not plan.entries:
             return None
         self._counters.steps += 1
@@ -179,14 +197,18 @@ class Scheduler:
     def commit(
         self,
         batch: Batch,
-        next_tokens: Sequence[int],
+        next_tokens: Sequence[int | Sequence[int]],
         hit_stop_string: Container[Request] = (),
     ) -> list[Request]:
         """Apply a forward pass's results; returns the requests it finished.
 
-        Here, and only here, a request is found finished (``Request.finish_reason_after``):
-        on a stop token, on reaching max_new_tokens, or when it is in ``hit_stop_string`` (its
-        text, with this step's token, holds a stop string: the caller's detokeniser reports).
+        ``next_tokens`` holds one item per entry: the sampled token, or for an entry with a
+        draft the tokens its verification accepted (the matching drafts, then the model's own
+        next token), which are appended one by one. Here, and only here, a request is found
+        finished (``Request.finish_reason_after``): on a stop token, on reaching
+        max_new_tokens, or when it is in ``hit_stop_string`` (its text, with this step's last
+        token, holds a stop string: the caller's detokeniser reports); tokens after the one
+        that finished it are dropped.
         """
         if batch is not self._inflight:
             raise ValueError("batch: not the batch returned by the last schedule()")
@@ -203,25 +225,77 @@ class Scheduler:
             if request.state is not RequestState.RUNNING:
                 continue  # finished or aborted since schedule()
             decode = entry.is_decode
+            if entry.draft:
+                if self._commit_verified(entry, token, request in hit_stop_string):
+                    finished.append(request)
+                continue
             request.num_computed = entry.kv_len
             if not decode:
                 counters.computed_prefill_tokens += len(entry.input_ids)
             if entry.sample:
-                token = int(token)
+                token = int(token[0]) if isinstance(token, Sequence) else int(token)
                 request.output.append(token)
                 counters.generated_tokens += 1
                 if request.first_token_time is None:
                     request.first_token_time = time.monotonic()
                 reason = request.finish_reason_after(token, request in hit_stop_string)
                 if reason is not None:
-                    self._release(request, keep=True)
-                    self._retire(request, RequestState.FINISHED, reason)
-                    self._record_finish(request)
+                    self._finish(request, reason)
                     finished.append(request)
                     continue
             if not decode:
                 self._cache_computed(request)
         return finished
+
+    def _commit_verified(
+        self, entry: BatchEntry, tokens: int | Sequence[int], stop_string: bool
+    ) -> bool:
+        """Append a verified draft's accepted tokens one by one; True if one finished it.
+
+        The K/V of the fed token and of the accepted drafts stays (``num_computed`` counts
+        them); the rows of rejected drafts are garbage in the request's private pages, never
+        cached, overwritten when those positions are computed for real."""
+        request = entry.request
+        accepted = [int(t) for t in tokens] if isinstance(tokens, Sequence) else [int(tokens)]
+        matched = 0
+        while matched < min(len(entry.draft), len(accepted)) and (
+            accepted[matched] == entry.draft[matched]
+        ):
+            matched += 1
+        self._record_verify(request, len(entry.draft), matched)
+        counters = self._counters
+        for index, token in enumerate(accepted):
+            request.output.append(token)
+            request.num_computed = entry.start_pos + index + 1
+            counters.generated_tokens += 1
+            last = index == len(accepted) - 1
+            reason = request.finish_reason_after(token, stop_string and last)
+            if reason is not None:
+                self._finish(request, reason)
+                return True
+        return False
+
+    def _record_verify(self, request: Request, drafted: int, accepted: int) -> None:
+        counters = self._counters
+        counters.spec_decode_num_drafts += 1
+        counters.spec_decode_num_draft_tokens += drafted
+        counters.spec_decode_num_accepted_tokens += accepted
+        for position in range(accepted):
+            self._accepted_per_pos[position] += 1
+        source = self._draft_sources.pop(request, None)
+        if self._gate is not None and source is not None:
+            self._gate.record(request, source, drafted, accepted)
+
+    def observe_step(self, batch: Batch, seconds: float) -> None:
+        """The forward pass (and sampling) of ``batch`` took ``seconds``: what the speculation
+        gate weighs draft tokens against."""
+        if self._gate is not None:
+            self._gate.cost.observe(batch.num_tokens, seconds)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self._release(request, keep=True)
+        self._retire(request, RequestState.FINISHED, reason)
+        self._record_finish(request)
 
     def discard(self, batch: Batch) -> None:
         """Forget a scheduled batch that was not run (its pages stay with its requests)."""
@@ -269,6 +343,44 @@ class Scheduler:
         sample = start + n == request.num_tokens
         plan.entries[request] = BatchEntry(request, tokens, start, pages, slots, sample)
         plan.budget -= n
+
+    def _add_drafts(self, plan: _StepPlan) -> None:
+        """Turn decode entries into verify entries (the last token plus drafts) where the gate
+        grants draft tokens; pages for them come from the free list only (never by evicting or
+        preempting), and they fit the step's token budget."""
+        drafter, gate = self._drafter, self._gate
+        assert drafter is not None and gate is not None
+        cap = self._config.num_speculative_tokens
+        candidates: list[Candidate] = []
+        for request, entry in plan.entries.items():
+            if not entry.is_decode or request.params.structured_outputs is not None:
+                continue
+            room = min(cap, request.max_new_tokens - len(request.output) - 1)
+            draft, source = drafter.propose(request, room)
+            if draft and source is not None:
+                candidates.append(Candidate(request, draft, source))
+        if not candidates:
+            return
+        tokens = sum(len(e.input_ids) for e in plan.entries.values())
+        sampled = sum(1 for e in plan.entries.values() if e.sample)
+        granted = gate.grant(candidates, tokens, sampled, plan.budget)
+        p = self._page_size
+        for candidate, k in zip(candidates, granted):
+            request = candidate.request
+            entry = plan.entries[request]
+            kv = request.kv
+            if k == 0 or kv is None or not self._kv.allocate(kv, entry.kv_len + k, evict=False):
+                continue
+            draft = candidate.draft[:k]
+            start = entry.start_pos
+            end = start + 1 + k
+            pages = kv.pages[: _pages_for(end, p)]
+            slots = [pages[pos // p] * p + pos % p for pos in range(start, end)]
+            plan.entries[request] = BatchEntry(
+                request, entry.input_ids + draft, start, pages, slots, True, draft
+            )
+            plan.budget -= k
+            self._draft_sources[request] = candidate.source
 
     def _admit(self, plan: _StepPlan) -> None:
         """Admit preempted requests (strictly first), then waiting ones in policy order."""
@@ -417,6 +529,10 @@ class Scheduler:
             del self._resume_keys[index]
 
     def _retire(self, request: Request, state: RequestState, reason: str) -> None:
+        if self._drafter is not None and self._gate is not None:
+            self._drafter.forget(request)
+            self._gate.forget(request)
+            self._draft_sources.pop(request, None)
         request.state = state
         request.finish_reason = reason
         request.finish_time = time.monotonic()

@@ -1,6 +1,7 @@
 """Prometheus metrics, named in vLLM's style so existing dashboards port.
 
-The engine's counters (prefix-cache queries and hits, tokens, preemptions, evicted pages) and
+The engine's counters (prefix-cache queries and hits, tokens, preemptions, evicted pages,
+speculative decoding's drafts and accepted tokens, by vLLM's ``spec_decode_*`` names) and
 gauges (requests, pages) are read from ``EngineClient.stats()`` at scrape time, so they are exactly
 the engine's own figures: a prompt's tokens and its cached part are counted once, when the
 request is first admitted, however often it waited or was preempted and recomputed.
@@ -65,6 +66,21 @@ class EngineCollector(Collector):
             ),
             ("evicted_pages", "KV pages evicted from the prefix cache.", c.evicted_pages),
             ("request_failures", "Requests that failed with an error.", s.failed),
+            (
+                "spec_decode_num_drafts",
+                "Speculative decoding: drafts verified (one per request and step).",
+                c.spec_decode_num_drafts,
+            ),
+            (
+                "spec_decode_num_draft_tokens",
+                "Speculative decoding: draft tokens verified.",
+                c.spec_decode_num_draft_tokens,
+            ),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Speculative decoding: draft tokens accepted.",
+                c.spec_decode_num_accepted_tokens,
+            ),
         )
         gauges = (
             (
@@ -89,6 +105,14 @@ class EngineCollector(Collector):
                 family = kind(PREFIX + name, doc, labels=list(self._labels))
                 family.add_metric(list(self._labels.values()), value)
                 yield family
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the draft (0 first).",
+            labels=[*self._labels, "position"],
+        )
+        for position, count in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([*self._labels.values(), str(position)], count)
+        yield per_position
         yield from self._tier_families(s)
 
     def _tier_families(self, s: EngineStats) -> Iterator[Metric]:

@@ -27,7 +27,8 @@ class ForwardBatch:
     kv_indptr: torch.Tensor  # int32 [B + 1]
     kv_indices: torch.Tensor  # int32 [sum pages]
     kv_last_page_len: torch.Tensor  # int32 [B], in 1..page_size
-    logits_indices: torch.Tensor  # int64 [S]: the last token of every entry that samples
+    # int64 [S]: the last token of every entry that samples (and its draft tokens' rows)
+    logits_indices: torch.Tensor
     page_size: int
     # Every request feeds exactly one token after a prefix: the decode kernels' shape. A
     # prompt's one-token last prefill chunk has it too (unlike ``BatchEntry.is_decode``).
@@ -81,7 +82,8 @@ class ForwardBatch:
             kv_indptr.append(kv_indptr[-1] + num_pages)
             if e.sample:
                 sample_rows.append(i)
-                logits_indices.append(qo_indptr[-1] - 1)
+                end = qo_indptr[-1]
+                logits_indices.extend(range(end - e.num_logits, end))
         entries = batch.entries
         ids = list(chain.from_iterable(e.input_ids for e in entries))
         positions = list(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,11 +21,13 @@ from scheduler.batch import Batch
 
 @dataclass
 class StepResult:
-    """What one step produced, per batch entry: the sampled token (-1 for entries that only
-    prefill) and its log-probabilities (None unless the request asked for them)."""
+    """What one step produced, per batch entry: the tokens it generated (none for an entry that
+    only prefills; one for a decode; for an entry with a draft, the accepted draft tokens and
+    then the model's own next one) and their log-probabilities (empty unless the request asked
+    for them)."""
 
-    tokens: list[int]
-    logprobs: list[TokenLogprob | None]
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprob]]
 
 
 class ModelRunner:
@@ -120,29 +123,55 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepResult:
-        """One token per entry (-1 where ``sample`` is False), by each request's params, and
-        the log-probabilities of the requests that asked for them."""
+        """The tokens each entry generates (none where ``sample`` is False), by each request's
+        params, and the log-probabilities of the requests that asked for them.
+
+        An entry with a draft has a row per position; row j is sampled exactly as plain
+        decoding would sample that request's next token after the first j draft tokens (the
+        seeded noise is keyed by the token's index in the output, penalties read the output
+        with those drafts), and the drafts are accepted while they equal what was sampled, so
+        greedy and seeded answers are the same with and without speculation."""
         logits = self.forward(batch)
-        out = StepResult([-1] * len(batch.entries), [None] * len(batch.entries))
-        rows = [i for i, e in enumerate(batch.entries) if e.sample]
-        if not rows:
+        entries = batch.entries
+        out = StepResult([[] for _ in entries], [[] for _ in entries])
+        spans: list[tuple[int, int, int]] = []  # (entry, first row, rows)
+        requests: list[Any] = []
+        steps: list[int] = []
+        outputs: list[list[int]] = []
+        for i, entry in enumerate(entries):
+            if not entry.sample:
+                continue
+            request = entry.request
+            spans.append((i, len(requests), entry.num_logits))
+            adjusts = request.params.adjusts_logits
+            for j in range(entry.num_logits):
+                requests.append(request)
+                steps.append(len(request.output) + j)
+                outputs.append(request.output + entry.draft[:j] if j and adjusts else request.output)
+        if not requests:
             return out
-        requests = [batch.entries[i].request for i in rows]
         allowed = logits if self.grammars is None else self.grammars.mask(logits, requests)
         tokens = self.sampler.sample(
-            allowed, [r.params for r in requests], [len(r.output) for r in requests],
-            [r.prompt for r in requests], [r.output for r in requests],
+            allowed, [r.params for r in requests], steps, [r.prompt for r in requests], outputs
         )
-        if self.grammars is not None:
-            self.grammars.accept(requests, tokens.tolist())
-        for i, t in zip(rows, tokens.tolist()):
-            out.tokens[i] = t
+        sampled = tokens.tolist()
+        if self.grammars is not None:  # constrained requests are never drafted: one row each
+            self.grammars.accept(requests, sampled)
         wants = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
+        found: dict[int, TokenLogprob] = {}
         if wants:
             picked = torch.tensor(wants, device=logits.device)
-            found = token_logprobs(
+            found = dict(zip(wants, token_logprobs(
                 logits[picked], tokens[picked], [requests[j].params.logprobs for j in wants]
-            )
-            for j, lp in zip(wants, found):
-                out.logprobs[rows[j]] = lp
+            )))
+        for i, first, rows in spans:
+            draft = entries[i].draft
+            accepted = 0
+            while accepted < len(draft) and sampled[first + accepted] == draft[accepted]:
+                accepted += 1
+            out.tokens[i] = sampled[first : first + accepted + 1]
+            if found:
+                out.logprobs[i] = [
+                    found[j] for j in range(first, first + accepted + 1) if j in found
+                ]
         return out

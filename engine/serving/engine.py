@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from engine.client import PromptIds
@@ -26,7 +28,7 @@ from engine.serving.stats import EngineStats
 from engine.serving.tools import offer_tools, with_parsed_calls, with_tools
 from engine.serving.validation import check_token_ids
 from radix import KVEvent, KVManager
-from scheduler import Request, SamplingParams, Scheduler
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     from engine.serving.chat import ChatSession
@@ -84,11 +86,32 @@ class Engine:
         self._num_pages = kv.num_pages
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._request_ids = itertools.count()
-        self._loop = EngineLoop(Scheduler(kv, config.scheduler), runner)
+        self._loop = EngineLoop(Scheduler(kv, self._scheduler_config(config)), runner)
         # Closes the loop (and frees the pool) if the engine is dropped without close().
         self._finalizer = weakref.finalize(self, self._loop.close)
 
+    def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
+        """The scheduler's knobs, speculation off where the passes are not batch-invariant: a
+        verify pass then need not give the numbers plain decoding gives, and a greedy answer
+        must never depend on speculation."""
+        scheduler = config.scheduler
+        if scheduler.speculation != "off" and not self._batch_invariant:
+            warnings.warn(
+                f"speculation={scheduler.speculation!r} needs batch-invariant passes, which "
+                "this engine does not have (batch_invariant=False, or not verified on this "
+                "machine): it is off",
+                stacklevel=3,
+            )
+            scheduler = msgspec.structs.replace(scheduler, speculation="off")
+        self._speculation = scheduler.speculation
+        return scheduler
+
     # ------------------------------------------------------------------------------ properties
+
+    @property
+    def speculation(self) -> str:
+        """The speculative decoding in effect: "tree" or "off" (see ``EngineConfig``)."""
+        return self._speculation
 
     @property
     def tokenizer(self) -> Any:

@@ -252,7 +252,9 @@ class EngineLoop:
         try:
             started = time.perf_counter()
             result = self._runner.step(batch)
-            self._observe_speed(batch, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._observe_speed(batch, seconds)
+            self._scheduler.observe_step(batch, seconds)
         except Exception as exc:
             self._step_failures += 1
             if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -264,24 +266,24 @@ class EngineLoop:
                     self._fail(job, exc)
             return
         self._step_failures = 0
-        next_tokens = result.tokens
         now = time.monotonic()
         # Text first: the detokeniser reports stop strings, which commit() then decides on.
+        # An entry may bring several tokens (an accepted draft): they are taken one by one,
+        # up to the first that ends the request.
         sampled: list[tuple[Job, str]] = []
         hit_stop_string: set[Request] = set()
-        for entry, token, logprob in zip(batch.entries, next_tokens, result.logprobs):
+        next_tokens: list[list[int]] = []
+        for entry, tokens, logprobs in zip(batch.entries, result.tokens, result.logprobs):
+            next_tokens.append(tokens)
             job = self._live.get(entry.request.id)
-            if not entry.sample or job is None:
+            if not tokens or job is None:
                 continue
-            job.token_times.append(now)
-            job.unsent += 1
-            if logprob is not None:
-                job.logprobs.append(logprob)
             try:
-                delta = "" if job.request.is_stop_token(token) else job.detokenizer.push(token)
+                taken, delta = self._take_tokens(job, tokens, logprobs, now)
             except Exception as exc:
                 self._fail(job, exc)  # aborted now: commit() skips it
                 continue
+            next_tokens[-1] = tokens[:taken]
             if job.detokenizer.stopped:
                 hit_stop_string.add(job.request)
             sampled.append((job, delta))
@@ -296,6 +298,29 @@ class EngineLoop:
                     self._complete(job)
             except Exception as exc:
                 self._fail(job, exc)
+
+    @staticmethod
+    def _take_tokens(
+        job: Job, tokens: list[int], logprobs: list[TokenLogprob], now: float
+    ) -> tuple[int, str]:
+        """Feed a step's tokens for one request to its detokeniser, up to the first that ends
+        it (a stop token or a stop string; the scheduler never drafts past max_new_tokens).
+        Returns how many were taken and their text."""
+        request = job.request
+        text = []
+        taken = 0
+        for index, token in enumerate(tokens):
+            taken += 1
+            job.token_times.append(now)
+            job.unsent += 1
+            if index < len(logprobs):
+                job.logprobs.append(logprobs[index])
+            if request.is_stop_token(token):
+                break
+            text.append(job.detokenizer.push(token))
+            if job.detokenizer.stopped:
+                break
+        return taken, "".join(text)
 
     def _observe_speed(self, batch: Batch, seconds: float) -> None:
         """Prefill-sized passes tell the KV tiers what recomputing a page costs."""

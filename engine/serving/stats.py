@@ -90,6 +90,8 @@ def _zero(cls: type) -> Any:
             values[name] = 0
         elif kind is float:
             values[name] = 0.0
+        elif kind == tuple[int, ...]:  # counts by position
+            values[name] = ()
         else:  # float | None: not measured
             values[name] = None
     return cls(**values)
@@ -103,6 +105,11 @@ def _sum(cls: type, parts: list[Any]) -> Any:
             values[name] = _sum(kind, column)
         elif kind in (int, float):
             values[name] = sum(column)
+        elif kind == tuple[int, ...]:  # counts by position: add position by position
+            width = max(map(len, column), default=0)
+            values[name] = tuple(
+                sum(counts[i] for counts in column if i < len(counts)) for i in range(width)
+            )
         else:
             present = [v for v in column if v is not None]
             values[name] = sum(present) / len(present) if present else None

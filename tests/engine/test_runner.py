@@ -57,7 +57,7 @@ def run_to_completion(
     entries = [make_entry(r, r.prompt, 0, t, PAGE) for r, t in zip(requests, tables)]
     live = list(range(len(requests)))
     while live:
-        tokens = runner.step(Batch(entries, PAGE)).tokens
+        tokens = [t for (t,) in runner.step(Batch(entries, PAGE)).tokens]
         still = []
         for i, tok in zip(live, tokens):
             r = requests[i]
@@ -128,7 +128,8 @@ def test_entries_that_do_not_sample_get_minus_one(loaded_fp32: Any, make_entry: 
         PAGE,
     )
     tokens = runner.step(batch).tokens
-    assert tokens[0] == -1 and 0 <= tokens[1] < loaded_fp32.config.vocab_size
+    assert tokens[0] == [] and len(tokens[1]) == 1
+    assert 0 <= tokens[1][0] < loaded_fp32.config.vocab_size
 
 
 def test_bad_batches_raise_value_error_with_debug_checks(loaded_fp32: Any, make_entry: Any) -> None:

@@ -18,7 +18,7 @@ VOCAB = 50_000
 STOP = 2
 
 
-def script_token(request_id: int | str, index: int) -> int:
+def script_token(request_id: object, index: int) -> int:
     """The ``index``-th token the model 'generates' for a request (never STOP)."""
     return 10 + (hash((request_id, index)) % (VOCAB - 10))
 
@@ -30,19 +30,25 @@ class ScriptedModel:
         self.kv: dict[int, int] = {}  # slot -> content address written there
         # Per request: index of its output at which it emits STOP (absent: never).
         self.stop_at: dict[int | str, int] = {}
+        # Requests whose script follows their prompt, not their id: equal prompts then give
+        # equal outputs (what speculation's tree drafts find again).
+        self.by_prompt: set[int | str] = set()
         self.pages_read = 0
 
     def script(self, request: Request, index: int) -> int:
         if self.stop_at.get(request.id) == index:
             return STOP
-        return script_token(request.id, index)
+        key = tuple(request.prompt) if request.id in self.by_prompt else request.id
+        return script_token(key, index)
 
-    def step(self, batch: Batch) -> list[int]:
+    def step(self, batch: Batch) -> list[int | list[int]]:
+        """One token per entry (-1 where it only prefills); for an entry with a draft, the
+        draft tokens that match the script and the script's next token."""
         p = self.page_size
-        out = []
+        out: list[int | list[int]] = []
         for entry in batch.entries:
             request = entry.request
-            tokens = request.prompt + request.output
+            tokens = request.prompt + request.output + entry.draft
             assert entry.kv_len <= len(tokens), "entry runs past the request's tokens"
             assert entry.input_ids == tokens[entry.start_pos : entry.kv_len], "wrong input ids"
             assert len(entry.pages) == -(-entry.kv_len // p), "page table of the wrong size"
@@ -61,6 +67,14 @@ class ScriptedModel:
                 else:
                     assert entry.slots[pos - entry.start_pos] == slot, "slot != page table"
                     self.kv[slot] = address
+            if entry.draft:
+                accepted = []
+                for j in range(len(entry.draft) + 1):
+                    accepted.append(self.script(request, len(request.output) + j))
+                    if j == len(entry.draft) or accepted[-1] != entry.draft[j]:
+                        break
+                out.append(accepted)
+                continue
             out.append(self.script(request, len(request.output)) if entry.sample else -1)
         return out
 

@@ -28,6 +28,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_running=st.integers(min_value=1, max_value=6),
         group_min_tokens=st.sampled_from([0, 4, 8]),
         reserve=st.sampled_from([0.0, 0.3, 0.7]),
+        speculation=st.sampled_from(["off", "tree"]),
     )
     def setup(
         self,
@@ -38,6 +39,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_running: int,
         group_min_tokens: int,
         reserve: float,
+        speculation: str,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages_tokens // page_size
@@ -53,6 +55,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             reserve_ratio_init=reserve,
             reserve_ratio_min=0.0,
             reserve_margin=0.0,
+            speculation=speculation,
+            num_speculative_tokens=4,
         )
         self.requests: list[Request] = []
         self.next_id = 0
@@ -65,6 +69,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_new=st.integers(min_value=1, max_value=16),
         stop_at=st.one_of(st.none(), st.integers(min_value=0, max_value=15)),
         namespace=st.sampled_from([None, None, "tenant"]),
+        by_prompt=st.booleans(),
     )
     def add(
         self,
@@ -74,6 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_new: int,
         stop_at: int | None,
         namespace: str | None,
+        by_prompt: bool,
     ) -> None:
         prompt = (STEMS[stem][:stem_len] if stem >= 0 else []) + suffix
         if not prompt:
@@ -82,6 +88,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         if stop_at is not None:
             self.model.stop_at[request.id] = stop_at
+        if by_prompt:
+            self.model.by_prompt.add(request.id)
         needed = -(-(len(prompt) + max_new - 1) // self.page_size)
         if needed > self.num_pages:
             try:
@@ -102,6 +110,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert batch.num_tokens <= self.sched.config.max_batch_tokens
         assert len(batch.entries) <= self.sched.config.max_running
         self.sched.commit(batch, self.model.step(batch))
+        self.sched.observe_step(batch, 0.01 + 0.001 * batch.num_tokens)
 
     @precondition(lambda self: self.sched.has_work)
     @rule(pick=st.integers(min_value=0, max_value=10_000), then_step=st.booleans())

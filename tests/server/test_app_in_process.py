@@ -109,3 +109,19 @@ def test_every_served_name_is_listed_and_accepted(loaded_fp32: Any, names: list[
                 "/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1}
             )
             assert reply.status_code == 200 and reply.json()["model"] == names[0]
+
+
+def test_speculative_decoding_metrics_use_vllms_names(loaded_fp32: Any) -> None:
+    engine = Engine(model=loaded_fp32, num_pages=64, speculation="tree")
+    text = "Radix trees share the prefixes of token sequences between requests that begin alike."
+    prompt = [{"role": "user", "content": f"Repeat exactly: {text}"}]
+    with engine, TestClient(create_app(engine, ServerConfig(model_name="m"))) as client:
+        engine.generate([prompt, prompt], SamplingParams(max_new_tokens=24, temperature=0))
+        seen = counters(client)
+        c = engine.stats().counters
+        assert seen["radixkv:spec_decode_num_drafts_total"] == c.spec_decode_num_drafts > 0
+        assert seen["radixkv:spec_decode_num_draft_tokens_total"] == c.spec_decode_num_draft_tokens
+        accepted = seen["radixkv:spec_decode_num_accepted_tokens_total"]
+        assert accepted == c.spec_decode_num_accepted_tokens > 0
+        # The per-position family sums (over its position label) to the accepted tokens.
+        assert seen["radixkv:spec_decode_num_accepted_tokens_per_pos_total"] == accepted

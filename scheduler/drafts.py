@@ -1,0 +1,148 @@
+"""Draft tokens for speculative decoding, read from what the engine already holds.
+
+No draft model: a decoding request's next tokens are guessed from
+1. the radix tree: the continuation an earlier request with exactly this sequence generated
+   (``n`` choices run one after another, retries, regenerations, replays);
+2. the request's own context: the tokens that followed the last earlier occurrence of its
+   latest n-gram (an answer quoting its document, an agent re-emitting a file);
+3. the tree's other sequences of the same namespace, by n-gram (the same question asked with a
+   different preamble), indexed from the manager's ``PagesStored`` events, bounded.
+
+A guess costs nothing to make and is checked by the model in the verify pass; only the tokens
+the model would have picked anyway are kept. Nothing here crosses a namespace.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from radix import KVEvent, KVManager, PagesStored
+from scheduler.request import Request
+
+# n-gram lengths tried on the request's own context, longest first.
+CONTEXT_NGRAMS = (4, 2)
+# n-gram length of the namespace index, and how many n-grams it keeps (LRU).
+TREE_NGRAM = 4
+TREE_INDEX_CAPACITY = 1 << 16
+
+
+class DraftSource(enum.Enum):
+    TREE = "tree"  # the tree's continuation of the exact sequence
+    CONTEXT = "context"  # an n-gram of the request's own tokens
+    NAMESPACE = "namespace"  # an n-gram of the namespace's cached sequences
+
+
+class ContextIndex:
+    """Where each n-gram of one request's tokens last occurred, kept up to date as the request
+    grows (each token is indexed once)."""
+
+    __slots__ = ("tokens", "_last", "_indexed")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in CONTEXT_NGRAMS}
+        self._indexed = 0  # continuations starting up to here are indexed
+
+    def sync(self, request: Request) -> None:
+        """Take in the request's tokens appended since the last call."""
+        tokens = self.tokens
+        have = len(tokens)
+        prompt = request.prompt
+        if have < len(prompt):
+            tokens.extend(prompt[have:])
+            have = len(prompt)
+        tokens.extend(request.output[have - len(prompt) :])
+        # Entries map an n-gram to where its continuation starts. The n-gram ending at the
+        # last token is the query, not an entry: continuations start at the last token at most.
+        end = len(tokens) - 1
+        for n, last in self._last.items():
+            for cont in range(max(n, self._indexed + 1), end + 1):
+                last[tuple(tokens[cont - n : cont])] = cont
+        self._indexed = max(self._indexed, end)
+
+    def lookup(self, max_tokens: int) -> list[int]:
+        """The tokens after the last earlier occurrence of the latest n-gram (longest first)."""
+        tokens = self.tokens
+        for n, last in self._last.items():
+            if len(tokens) <= n:
+                continue
+            found = last.get(tuple(tokens[-n:]))
+            if found is not None:
+                return tokens[found : found + max_tokens]
+        return []
+
+
+class NamespaceIndex:
+    """The latest continuation of each ``TREE_NGRAM``-gram stored in the tree, per namespace;
+    at most ``capacity`` n-grams (least recently stored dropped first). Entries outlive their
+    pages' eviction: a draft is only a guess, and a stale one costs a rejected row."""
+
+    def __init__(self, max_tokens: int, capacity: int = TREE_INDEX_CAPACITY) -> None:
+        self._max_tokens = max_tokens
+        self._capacity = capacity
+        self._next: OrderedDict[tuple[str | None, tuple[int, ...]], tuple[int, ...]] = (
+            OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def on_event(self, event: KVEvent) -> None:
+        if isinstance(event, PagesStored):
+            self.add(event.namespace, event.tokens)
+
+    def add(self, namespace: str | None, tokens: Sequence[int]) -> None:
+        n, k = TREE_NGRAM, self._max_tokens
+        entries = self._next
+        tokens = list(tokens)
+        for start in range(len(tokens) - n):
+            key = (namespace, tuple(tokens[start : start + n]))
+            entries[key] = tuple(tokens[start + n : start + n + k])
+            entries.move_to_end(key)
+        while len(entries) > self._capacity:
+            entries.popitem(last=False)
+
+    def lookup(self, namespace: str | None, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        if len(tokens) < TREE_NGRAM:
+            return []
+        found = self._next.get((namespace, tuple(tokens[-TREE_NGRAM:])))
+        return list(found[:max_tokens]) if found else []
+
+
+class Drafter:
+    """Proposes draft tokens for decoding requests from the three sources above, best first."""
+
+    def __init__(self, kv: KVManager, max_tokens: int) -> None:
+        self._kv = kv
+        self._contexts: dict[Request, ContextIndex] = {}
+        self.namespaces = NamespaceIndex(max_tokens)
+        kv.subscribe(self.namespaces.on_event)
+
+    def propose(self, request: Request, max_tokens: int) -> tuple[list[int], DraftSource | None]:
+        """Up to ``max_tokens`` guesses of what ``request`` (decoding: its last token is
+        sampled, its K/V not yet computed) generates next, and where they came from."""
+        if max_tokens <= 0:
+            return [], None
+        context = self._contexts.get(request)
+        if context is None:
+            context = self._contexts[request] = ContextIndex()
+        context.sync(request)
+        handle = request.kv
+        if handle is not None and self._kv.prefix_cache:
+            after = context.tokens[handle.cached_len :]
+            draft = self._kv.continuation(handle, after, max_tokens)
+            if draft:
+                return draft, DraftSource.TREE
+        draft = context.lookup(max_tokens)
+        if draft:
+            return draft, DraftSource.CONTEXT
+        draft = self.namespaces.lookup(request.namespace, context.tokens, max_tokens)
+        if draft:
+            return draft, DraftSource.NAMESPACE
+        return [], None
+
+    def forget(self, request: Request) -> None:
+        """The request ended: drop its context index."""
+        self._contexts.pop(request, None)

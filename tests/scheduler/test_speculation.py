@@ -1,0 +1,306 @@
+"""Speculative decoding in the scheduler, against a deterministic stand-in model.
+
+``LoopingModel`` 'generates' a token that is a function of the last three tokens of the
+sequence over a small alphabet, so sequences repeat and drafts get accepted; it verifies a
+draft as the engine's runner does (row j sampled after the first j drafts, accepted while
+equal). It plays the KV pool like the scripted model: every slot holds a content address of
+its prefix, and every slot a request reads must hold its own tokens' address, so a rejected
+draft's K/V that reached the tree, or a page freed too early, fails the test.
+
+Pinned: outputs with speculation equal outputs without (under chunked prefill, preemption,
+tiny pools, several namespaces), every page is accounted for at idle, the tree only ever holds
+real sequences, drafts never cross namespaces, and the gate stops drafting where drafts fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radix import KVManager
+from scheduler import Batch, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.drafts import ContextIndex, DraftSource, Drafter
+from scheduler.speculation import Candidate, SpeculationGate
+
+ALPHABET = 7
+STOP = 99
+
+
+class LoopingModel:
+    def __init__(self, page_size: int, stop_after: dict[Any, int] | None = None) -> None:
+        self.page_size = page_size
+        self.kv: dict[int, int] = {}
+        self.stop_after = stop_after or {}
+
+    def next_token(self, request: Request, tokens: list[int]) -> int:
+        produced = len(tokens) - len(request.prompt)
+        if self.stop_after.get(request.id) == produced:
+            return STOP
+        a, b, c = ([0, 0, 0] + tokens)[-3:]
+        return 10 + (a * 31 + b * 7 + c * 3 + len(tokens) // 50) % ALPHABET
+
+    def step(self, batch: Batch) -> list[list[int]]:
+        p = self.page_size
+        out: list[list[int]] = []
+        for entry in batch.entries:
+            request = entry.request
+            tokens = request.prompt + request.output + entry.draft
+            assert entry.input_ids == tokens[entry.start_pos : entry.kv_len]
+            address = 0
+            for pos in range(entry.kv_len):
+                address = hash((address, tokens[pos]))
+                slot = entry.pages[pos // p] * p + pos % p
+                if pos < entry.start_pos:
+                    assert self.kv.get(slot) == address, f"{request.id} reads foreign K/V at {pos}"
+                else:
+                    self.kv[slot] = address
+            if not entry.sample:
+                out.append([])
+                continue
+            base = request.prompt + request.output
+            accepted: list[int] = []
+            for j in range(len(entry.draft) + 1):
+                token = self.next_token(request, base + entry.draft[:j])
+                accepted.append(token)
+                if j == len(entry.draft) or token != entry.draft[j]:
+                    break
+            out.append(accepted)
+        return out
+
+
+def run(
+    prompts: list[tuple[list[int], str | None]],
+    speculation: str,
+    *,
+    page_size: int,
+    num_pages: int,
+    max_batch_tokens: int,
+    max_new: int,
+    k: int = 8,
+    stop_after: dict[Any, int] | None = None,
+    max_running: int = 8,
+) -> tuple[dict[Any, tuple[list[int], str | None]], Scheduler]:
+    kv = KVManager(num_pages, page_size)
+    config = SchedulerConfig(
+        page_size=page_size,
+        max_batch_tokens=max_batch_tokens,
+        max_running=min(max_running, max_batch_tokens),
+        speculation=speculation,
+        num_speculative_tokens=k,
+        reserve_ratio_init=0.0,
+        reserve_ratio_min=0.0,
+        reserve_margin=0.0,
+    )
+    sched = Scheduler(kv, config)
+    model = LoopingModel(page_size, stop_after)
+    requests = []
+    for i, (prompt, namespace) in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP])
+        request = Request(i, list(prompt), params, namespace)
+        sched.add(request)
+        requests.append(request)
+    steps = 0
+    while sched.has_work:
+        batch = sched.schedule()
+        assert batch is not None
+        assert batch.num_tokens <= max_batch_tokens
+        sched.commit(batch, model.step(batch))
+        sched.observe_step(batch, 0.010 + 0.001 * batch.num_tokens)
+        sched.check_integrity()
+        steps += 1
+        assert steps < 20_000
+    stats = kv.stats()
+    assert stats.free + stats.cached == stats.total, "pages lost at idle"
+    assert_tree_holds_only(kv, requests)
+    return {r.id: (r.output, r.finish_reason) for r in requests}, sched
+
+
+def assert_tree_holds_only(kv: KVManager, requests: list[Request]) -> None:
+    """Every path in the tree is a prefix of some request's prompt + output, in its namespace."""
+    sequences = [(r.namespace, r.prompt + r.output) for r in requests]
+    tree = kv.tree
+    for namespace in tree.namespaces:
+        stack = [(tree.root(namespace), [])]
+        while stack:
+            node, prefix = stack.pop()
+            for child in node.children.values():
+                path = prefix + child.tokens
+                assert any(
+                    ns == namespace and seq[: len(path)] == path for ns, seq in sequences
+                ), "the tree holds tokens no request had (a rejected draft?)"
+                stack.append((child, path))
+
+
+prompt_st = st.lists(st.integers(min_value=10, max_value=10 + ALPHABET - 1), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(
+        st.tuples(prompt_st, st.sampled_from([None, "a"])), min_size=1, max_size=6
+    ),
+    repeat=st.booleans(),
+    page_size=st.sampled_from([1, 4]),
+    pool_tokens=st.integers(min_value=60, max_value=200),
+    max_batch_tokens=st.integers(min_value=4, max_value=40),
+    max_new=st.integers(min_value=1, max_value=30),
+    k=st.integers(min_value=1, max_value=8),
+    stops=st.dictionaries(st.integers(0, 11), st.integers(0, 29), max_size=3),
+)
+def test_outputs_with_speculation_equal_outputs_without(
+    prompts: list[tuple[list[int], str | None]],
+    repeat: bool,
+    page_size: int,
+    pool_tokens: int,
+    max_batch_tokens: int,
+    max_new: int,
+    k: int,
+    stops: dict[int, int],
+) -> None:
+    if repeat:  # the same prompts again: the tree holds their continuations
+        prompts = prompts + prompts
+    pool_tokens = max(pool_tokens, max(len(p) for p, _ in prompts) + max_new + page_size)
+    knobs = dict(
+        page_size=page_size,
+        num_pages=pool_tokens // page_size,
+        max_batch_tokens=max_batch_tokens,
+        max_new=max_new,
+        k=k,
+        stop_after=stops,
+    )
+    plain, _ = run(prompts, "off", **knobs)
+    spec, _ = run(prompts, "tree", **knobs)
+    assert spec == plain
+
+
+def test_repeats_are_drafted_and_accepted_in_fewer_steps() -> None:
+    prompt = [10, 11, 12, 13, 14, 15, 16] * 4
+    prompts = [(prompt, None)] * 3
+    knobs = dict(page_size=4, num_pages=200, max_batch_tokens=64, max_new=40, max_running=1)
+    plain, off = run(prompts, "off", **knobs)
+    spec, on = run(prompts, "tree", **knobs)
+    assert spec == plain
+    c = on.counters
+    assert c.spec_decode_num_drafts > 0
+    assert c.spec_decode_num_accepted_tokens > 0.8 * c.spec_decode_num_draft_tokens
+    assert c.spec_decode_num_accepted_tokens_per_pos[0] >= c.spec_decode_num_accepted_tokens_per_pos[-1]
+    assert sum(c.spec_decode_num_accepted_tokens_per_pos) == c.spec_decode_num_accepted_tokens
+    assert on.counters.steps < off.counters.steps / 2
+    assert off.counters.spec_decode_num_drafts == 0
+
+
+def test_tree_continuation_is_read_only_within_the_namespace() -> None:
+    kv = KVManager(64, 4)
+    drafter = Drafter(kv, 8)
+    seq = list(range(100, 124))
+    done = Request("done", seq[:8], SamplingParams(max_new_tokens=16), "a")
+    handle = kv.acquire([], "a")
+    assert kv.allocate(handle, len(seq))
+    kv.release(handle, seq)  # the tree of namespace "a" now holds the whole sequence
+    before = [(p.page, p.key) for p in kv.tree.walk_pages()]
+    for namespace, expected in (("a", DraftSource.TREE), ("b", None), (None, None)):
+        request = Request(namespace or "none", seq[:8], SamplingParams(max_new_tokens=16), namespace)
+        request.output = seq[8:10]
+        request.kv = kv.acquire(seq[:8], namespace)
+        draft, source = drafter.propose(request, 5)
+        kv.release(request.kv)
+        if expected is None:
+            assert source is not DraftSource.TREE and source is not DraftSource.NAMESPACE
+        else:
+            assert source is expected and draft == seq[10:15]
+    assert [(p.page, p.key) for p in kv.tree.walk_pages()] == before
+    assert done.namespace == "a"
+
+
+def test_namespace_index_drafts_only_within_its_namespace() -> None:
+    kv = KVManager(64, 4)
+    drafter = Drafter(kv, 8)
+    seq = list(range(200, 232))
+    handle = kv.acquire([], "a")
+    assert kv.allocate(handle, len(seq))
+    kv.release(handle, seq)  # PagesStored: the index learns namespace "a"'s n-grams
+    assert len(drafter.namespaces) > 0
+    for namespace in ("a", "b"):
+        # A different start, then an n-gram of the cached sequence: no exact prefix to follow.
+        request = Request(namespace, [1, 2, 3] + seq[5:12], SamplingParams(max_new_tokens=8), namespace)
+        request.kv = kv.acquire(request.prompt, namespace)
+        draft, source = drafter.propose(request, 4)
+        kv.release(request.kv)
+        if namespace == "a":
+            assert source is DraftSource.NAMESPACE and draft == seq[12:16]
+        else:
+            assert source is None and draft == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    split=st.integers(0, 60),
+    k=st.integers(1, 6),
+)
+def test_context_index_finds_the_latest_earlier_ngram(tokens: list[int], split: int, k: int) -> None:
+    split = min(split, len(tokens) - 1)
+    request = Request("r", tokens[: len(tokens) - split], SamplingParams(max_new_tokens=64))
+    index = ContextIndex()
+    for grow in range(split + 1):  # tokens arrive one by one, as a request decodes
+        request.output = tokens[len(request.prompt) : len(request.prompt) + grow]
+        index.sync(request)
+    assert index.tokens == tokens
+    expected: list[int] = []
+    for n in (4, 2):
+        if len(tokens) <= n:
+            continue
+        query = tokens[-n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == query]
+        if starts:
+            expected = tokens[starts[-1] + n : starts[-1] + n + k]
+            break
+    assert index.lookup(k) == expected
+
+
+def _fitted_gate(a: float, b: float) -> SpeculationGate:
+    gate = SpeculationGate()
+    for n in (1, 2, 5, 9, 1, 3, 8, 1, 2, 6):
+        gate.cost.observe(n, a + b * n)
+    return gate
+
+
+def test_gate_fits_the_step_cost() -> None:
+    fit = _fitted_gate(0.006, 0.0009).cost.fit()
+    assert fit is not None
+    assert abs(fit[0] - 0.006) < 1e-6 and abs(fit[1] - 0.0009) < 1e-7
+
+
+def test_gate_stops_drafting_when_drafts_are_rejected_and_retries_later() -> None:
+    gate = _fitted_gate(0.006, 0.0009)
+    request = Request("r", [1], SamplingParams())
+    offer = [Candidate(request, [5, 6, 7, 8], DraftSource.CONTEXT)]
+    assert gate.grant(offer, 1, 1, 100)[0] > 0  # the prior: worth trying at batch 1
+    for _ in range(6):
+        gate.record(request, DraftSource.CONTEXT, 1, 0)
+    assert gate.grant(offer, 1, 1, 100) == [0]
+    # Unused offers pull the estimate back to the prior: the request is tried again.
+    for _ in range(200):
+        if gate.grant(offer, 1, 1, 100) != [0]:
+            break
+    else:
+        raise AssertionError("the gate never retried")
+
+
+def test_gate_grants_nothing_to_a_compute_bound_batch() -> None:
+    gate = _fitted_gate(0.001, 0.002)  # each token costs twice a pass's fixed part
+    requests = [Request(i, [1], SamplingParams()) for i in range(32)]
+    offers = [Candidate(r, [5, 6, 7], DraftSource.CONTEXT) for r in requests]
+    assert gate.grant(offers, 32, 32, 1000) == [0] * 32
+    # A weight-bound pass (the fixed part dominates) takes exact repeats whole.
+    cheap = _fitted_gate(0.006, 0.0001)
+    assert cheap.grant([Candidate(requests[0], [5, 6, 7], DraftSource.TREE)], 1, 1, 100) == [3]
+
+
+def test_gate_respects_the_token_budget() -> None:
+    gate = _fitted_gate(0.006, 0.0001)
+    requests = [Request(i, [1], SamplingParams()) for i in range(3)]
+    offers = [Candidate(r, [5] * 8, DraftSource.TREE) for r in requests]
+    assert sum(gate.grant(offers, 3, 3, 5)) == 5

@@ -6,7 +6,8 @@ No draft model: a decoding request's next tokens are guessed from
 2. the request's own context: the tokens that followed the last earlier occurrence of its
    latest n-gram (an answer quoting its document, an agent re-emitting a file);
 3. the tree's other sequences of the same namespace, by n-gram (the same question asked with a
-   different preamble), indexed from the manager's ``PagesStored`` events, bounded.
+   different preamble), indexed from the manager's ``PagesStored`` events (and the partial last
+   page of each finished request, which the tree does not keep), bounded.
 
 A guess costs nothing to make and is checked by the model in the verify pass; only the tokens
 the model would have picked anyway are kept. Nothing here crosses a namespace.
@@ -142,6 +143,15 @@ class Drafter:
         if draft:
             return draft, DraftSource.NAMESPACE
         return [], None
+
+    def finished(self, request: Request) -> None:
+        """The request finished: the tree keeps only its whole pages, so the index also learns
+        the tail after the last one (what a regeneration of a short answer needs)."""
+        tokens = request.all_tokens
+        page_size = self._kv.page_size
+        start = max(0, len(tokens) - len(tokens) % page_size - TREE_NGRAM)
+        self.namespaces.add(request.namespace, tokens[start:])
+        self.forget(request)
 
     def forget(self, request: Request) -> None:
         """The request ended: drop its context index."""

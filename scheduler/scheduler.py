@@ -530,7 +530,10 @@ class Scheduler:
 
     def _retire(self, request: Request, state: RequestState, reason: str) -> None:
         if self._drafter is not None and self._gate is not None:
-            self._drafter.forget(request)
+            if state is RequestState.FINISHED and self._kv.prefix_cache:
+                self._drafter.finished(request)
+            else:
+                self._drafter.forget(request)
             self._gate.forget(request)
             self._draft_sources.pop(request, None)
         request.state = state

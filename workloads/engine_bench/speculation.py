@@ -59,6 +59,10 @@ class TraceRun(msgspec.Struct):
     off_tok_s: float
     tree_tok_s: float
     speedup: float
+    # Median over requests of (tokens - 1) / (latency - time to first token): decode alone.
+    off_decode_tok_s: float
+    tree_decode_tok_s: float
+    decode_speedup: float
     draft_tokens: int
     accepted_tokens: int
     identical: bool
@@ -102,10 +106,11 @@ def build_traces(count: int) -> dict[str, list[list[dict[str, str]]]]:
 
 
 def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrency: int,
-                    namespace: str) -> tuple[float, list[list[int]]]:
-    """Send ``prompts`` in order with at most ``concurrency`` in flight; wall seconds and
-    the outputs' token ids."""
+                    namespace: str) -> tuple[float, list[list[int]], float]:
+    """Send ``prompts`` in order with at most ``concurrency`` in flight; wall seconds, the
+    outputs' token ids and the median request's decode tokens/s."""
     outputs: list[list[int]] = [[] for _ in prompts]
+    rates: list[float] = []
     lock = threading.Lock()
     queue = list(range(len(prompts)))[::-1]
 
@@ -117,6 +122,8 @@ def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrenc
                 index = queue.pop()
             out = engine.generate([prompts[index]], params, namespace=namespace)[0]
             outputs[index] = list(out.token_ids)
+            if out.ttft_s is not None and len(out.token_ids) > 1:
+                rates.append((len(out.token_ids) - 1) / (out.latency_s - out.ttft_s))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(min(concurrency, len(prompts)))]
@@ -124,23 +131,25 @@ def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrenc
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - started, outputs
+    return time.perf_counter() - started, outputs, statistics.median(rates) if rates else 0.0
 
 
 def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: Any,
                 concurrency: int, repeats: int,
                 log: Callable[[str], None]) -> TraceRun:
     walls: dict[str, list[float]] = {"off": [], "tree": []}
+    decode: dict[str, list[float]] = {"off": [], "tree": []}
     outs: dict[str, list[list[int]]] = {}
     drafted = accepted = 0
     for rep in range(repeats):
         for mode in ("off", "tree") if rep % 2 == 0 else ("tree", "off"):
             engine = engines[mode]
             before = engine.stats().counters
-            wall, got = run_closed_loop(engine, prompts, params, concurrency,
-                                        f"{name}-{concurrency}-{rep}-{mode}")
+            wall, got, rate = run_closed_loop(engine, prompts, params, concurrency,
+                                              f"{name}-{concurrency}-{rep}-{mode}")
             after = engine.stats().counters
             walls[mode].append(wall)
+            decode[mode].append(rate)
             if mode in outs and outs[mode] != got:
                 raise AssertionError(f"{name}: {mode} outputs changed between repetitions")
             outs[mode] = got
@@ -154,8 +163,10 @@ def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: 
         raise AssertionError(f"{name} c={concurrency}: greedy outputs differ with speculation")
     tokens = sum(len(o) for o in outs["off"])
     off, tree = statistics.median(walls["off"]), statistics.median(walls["tree"])
+    d_off, d_tree = statistics.median(decode["off"]), statistics.median(decode["tree"])
     return TraceRun(name, concurrency, len(prompts), tokens, tokens / off, tokens / tree,
-                    off / tree, drafted // repeats, accepted // repeats, identical,
+                    off / tree, d_off, d_tree, d_tree / d_off if d_off else 0.0,
+                    drafted // repeats, accepted // repeats, identical,
                     walls["off"], walls["tree"])
 
 
@@ -178,13 +189,15 @@ def export_for_vllm(engine: Any, traces: dict[str, list[Any]], directory: Path,
 
 def format_table(runs: Sequence[TraceRun]) -> str:
     lines = ["| trace | in flight | requests | tokens | off tok/s | tree tok/s | speedup | "
-             "accepted / drafted | identical |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "decode tok/s off / tree (per request) | decode speedup | accepted / drafted | "
+             "identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in runs:
         rate = f"{r.accepted_tokens} / {r.draft_tokens}" if r.draft_tokens else "0 / 0"
         lines.append(f"| {r.trace} | {r.concurrency} | {r.requests} | {r.generated_tokens} | "
-                     f"{r.off_tok_s:.1f} | {r.tree_tok_s:.1f} | {r.speedup:.2f}x | {rate} | "
-                     f"{'yes' if r.identical else 'NO'} |")
+                     f"{r.off_tok_s:.1f} | {r.tree_tok_s:.1f} | {r.speedup:.2f}x | "
+                     f"{r.off_decode_tok_s:.1f} / {r.tree_decode_tok_s:.1f} | "
+                     f"{r.decode_speedup:.2f}x | {rate} | {'yes' if r.identical else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -202,6 +215,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--export", type=Path, metavar="DIR",
                    help="write the traces' token ids for run_vllm.py and stop")
+    p.add_argument("--workloads", type=Path, action="append", metavar="FILE",
+                   help="instead of the traces: run_vllm.py workload files (their workload A, "
+                   "token ids as they are; repeatable)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.requests < 1 or args.max_new_tokens < 1:
         p.error("--repeats, --requests and --max-new-tokens must be >= 1")
@@ -213,7 +229,14 @@ def main(argv: Sequence[str] | None = None) -> list[TraceRun]:
 
     args = parse_args(argv)
     names = args.trace or list(TRACES)
-    traces = {n: t for n, t in build_traces(args.requests).items() if n in names}
+    traces: dict[str, list[Any]] = {
+        n: t for n, t in build_traces(args.requests).items() if n in names
+    }
+    if args.workloads:
+        traces = {path.stem: [r["prompt_token_ids"] for r in
+                              json.loads(path.read_text())["shared_prefix"]["requests"]]
+                  for path in args.workloads}
+        names = list(traces)
     loaded = load_model(None, "auto", args.dtype)
     knobs = dict(model=loaded, num_pages=2048)
     engines = {"off": Engine(**knobs),

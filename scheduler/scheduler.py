@@ -350,6 +350,10 @@ class Scheduler:
         preempting), and they fit the step's token budget."""
         drafter, gate = self._drafter, self._gate
         assert drafter is not None and gate is not None
+        tokens = sum(len(e.input_ids) for e in plan.entries.values())
+        sampled = sum(1 for e in plan.entries.values() if e.sample)
+        if plan.budget <= 0 or not gate.may_grant(tokens, sampled):
+            return
         cap = self._config.num_speculative_tokens
         candidates: list[Candidate] = []
         for request, entry in plan.entries.items():
@@ -361,8 +365,6 @@ class Scheduler:
                 candidates.append(Candidate(request, draft, source))
         if not candidates:
             return
-        tokens = sum(len(e.input_ids) for e in plan.entries.values())
-        sampled = sum(1 for e in plan.entries.values() if e.sample)
         granted = gate.grant(candidates, tokens, sampled, plan.budget)
         p = self._page_size
         for candidate, k in zip(candidates, granted):

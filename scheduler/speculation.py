@@ -117,6 +117,15 @@ class SpeculationGate:
             found = self._acceptance[key] = Acceptance(PRIORS[source])
         return found
 
+    def may_grant(self, pass_tokens: int, sampled: int) -> bool:
+        """Whether even a draft sure to be accepted would pay in this pass (if not, nothing is
+        proposed: a compute-bound step spends no time on lookups)."""
+        fit = self.cost.fit()
+        if fit is None:
+            return False
+        a, b = fit
+        return a + b * pass_tokens > b * sampled
+
     def grant(
         self, candidates: list[Candidate], pass_tokens: int, sampled: int, budget: int
     ) -> list[int]:

@@ -134,7 +134,7 @@ class ModelRunner:
         logits = self.forward(batch)
         entries = batch.entries
         out = StepResult([[] for _ in entries], [[] for _ in entries])
-        spans: list[tuple[int, int, int]] = []  # (entry, first row, rows)
+        spans: list[tuple[int, int]] = []  # (entry, its first row)
         requests: list[Any] = []
         steps: list[int] = []
         outputs: list[list[int]] = []
@@ -142,7 +142,7 @@ class ModelRunner:
             if not entry.sample:
                 continue
             request = entry.request
-            spans.append((i, len(requests), entry.num_logits))
+            spans.append((i, len(requests)))
             adjusts = request.params.adjusts_logits
             for j in range(entry.num_logits):
                 requests.append(request)
@@ -164,7 +164,7 @@ class ModelRunner:
             found = dict(zip(wants, token_logprobs(
                 logits[picked], tokens[picked], [requests[j].params.logprobs for j in wants]
             )))
-        for i, first, rows in spans:
+        for i, first in spans:
             draft = entries[i].draft
             accepted = 0
             while accepted < len(draft) and sampled[first + accepted] == draft[accepted]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -89,6 +90,7 @@ class Engine:
         self._loop = EngineLoop(Scheduler(kv, self._scheduler_config(config)), runner)
         # Closes the loop (and frees the pool) if the engine is dropped without close().
         self._finalizer = weakref.finalize(self, self._loop.close)
+        self._closing = threading.Lock()
 
     def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
         """The scheduler's knobs, speculation off where the passes are not batch-invariant: a
@@ -357,8 +359,12 @@ class Engine:
         return self._loop.wait_idle(timeout)
 
     def close(self) -> None:
-        """Aborts what is in flight, stops the loop thread and frees the KV cache."""
-        self._finalizer()
+        """Aborts what is in flight, stops the loop thread and frees the KV cache. Every caller
+        returns only once that is done, not only the first: a server's shutdown timer and its
+        main thread may both close, and a process that exits while the loop is still mid-pass
+        on another thread dies in torch's teardown (SIGABRT)."""
+        with self._closing:
+            self._finalizer()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 

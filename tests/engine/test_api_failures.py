@@ -114,3 +114,24 @@ def test_close_aborts_requests_in_flight(make_engine) -> None:
     *_, final = list(stream)
     assert final.finish_reason == "abort"
     assert len(final.token_ids) < 300
+
+
+def test_every_concurrent_close_returns_only_once_the_loop_has_stopped(make_engine) -> None:
+    """A server's grace timer and its main thread may close at once; the one that comes second
+    must not return (and let the process exit) while the loop is still mid-pass."""
+    eng = make_engine(page_size=16, num_pages=32)
+    stream = eng.stream("Once upon a time", greedy(300, ignore_eos=True))
+    assert isinstance(next(stream), str)
+    loop_alive_at_return: list[bool] = []
+
+    def close() -> None:
+        eng.close()
+        loop_alive_at_return.append(eng._loop.alive)
+
+    closers = [threading.Thread(target=close) for _ in range(4)]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join(60)
+    assert loop_alive_at_return == [False] * 4
+    assert list(stream)[-1].finish_reason == "abort"

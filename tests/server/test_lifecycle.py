@@ -211,7 +211,7 @@ def test_sigterm_stops_accepting_lets_the_stream_in_flight_finish_and_exits_0(
     with pytest.raises(httpx.ConnectError):  # no longer accepting
         httpx.get(url + "/health", timeout=2)
     reader.join(60)
-    assert guarded.process.wait(60) == 0
+    assert guarded.process.wait(60) == 0, guarded.output()
     finals = [line for line in received if '"finish_reason":"length"' in line]
     assert finals, received[-3:]  # the stream ran to its end: 40 tokens, not aborted
     assert received[-1] == "data: [DONE]"
@@ -235,7 +235,7 @@ def test_streams_still_running_when_the_grace_period_ends_are_ended_not_cut() ->
         assert wait_until(lambda: any(content(line) for line in received), 60)
         proc.process.send_signal(signal.SIGTERM)
         reader.join(60)
-        assert proc.process.wait(60) == 0
+        assert proc.process.wait(60) == 0, proc.output()
     finally:
         proc.stop()
     assert any('"finish_reason":"abort"' in line for line in received), received[-3:]

@@ -357,7 +357,7 @@ class Scheduler:
         cap = self._config.num_speculative_tokens
         candidates: list[Candidate] = []
         for request, entry in plan.entries.items():
-            if not entry.is_decode or request.params.structured_outputs is not None:
+            if not entry.is_decode:
                 continue
             room = min(cap, request.max_new_tokens - len(request.output) - 1)
             draft, source = drafter.propose(request, room)

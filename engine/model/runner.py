@@ -150,13 +150,15 @@ class ModelRunner:
                 outputs.append(request.output + entry.draft[:j] if j and adjusts else request.output)
         if not requests:
             return out
-        allowed = logits if self.grammars is None else self.grammars.mask(logits, requests)
+        allowed = logits
+        if self.grammars is not None:
+            allowed = self.grammars.mask(
+                logits, [(entries[i].request, entries[i].draft, first) for i, first in spans]
+            )
         tokens = self.sampler.sample(
             allowed, [r.params for r in requests], steps, [r.prompt for r in requests], outputs
         )
         sampled = tokens.tolist()
-        if self.grammars is not None:  # constrained requests are never drafted: one row each
-            self.grammars.accept(requests, sampled)
         wants = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
         found: dict[int, TokenLogprob] = {}
         if wants:
@@ -174,4 +176,6 @@ class ModelRunner:
                 out.logprobs[i] = [
                     found[j] for j in range(first, first + accepted + 1) if j in found
                 ]
+        if self.grammars is not None:
+            self.grammars.accept([(entries[i].request, out.tokens[i]) for i, _ in spans])
         return out

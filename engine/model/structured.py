@@ -17,6 +17,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -78,30 +79,44 @@ class Grammars:
 
     # ------------------------------------------------------------------- masking
 
-    def mask(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
+    def mask(self, logits: torch.Tensor, spans: list[tuple[Any, Sequence[int], int]]) -> torch.Tensor:
         """``logits`` with each constrained row's disallowed tokens at -inf, in a new tensor
-        (the caller's logits stay the model's, for log-probabilities). ``requests[i]`` is row
-        i's scheduler Request: its output so far is fed to its matcher first (once each: a
-        preempted and recomputed request's tokens are not fed again).
+        (the caller's logits stay the model's, for log-probabilities). ``spans`` holds each
+        sampled entry's scheduler Request, its draft tokens and its first logits row: row
+        ``first + j`` is masked as the grammar stands after the first ``j`` draft tokens. The
+        request's output so far is fed to its matcher first (once each: a preempted and
+        recomputed request's tokens are not fed again); the drafts are not (rolled back).
 
+        Rows after a draft token the grammar refuses are left unconstrained: the row before
+        them bans that token, so no draft past it is accepted and their samples are dropped.
         The rows' masks are computed together by llguidance's thread pool (the GIL released),
         into one bitmask unpacked with numpy; computing them on a thread beside the forward
         pass was measured no faster on 2 cores (README: structured outputs)."""
-        rows = [i for i, r in enumerate(requests) if r.params.structured_outputs is not None]
-        if not rows:
+        jobs: list[tuple[Any, int, list[int]]] = []
+        rows: list[int] = []
+        for request, draft, first in spans:
+            if request.params.structured_outputs is None:
+                continue
+            llm = self._matcher(request).llm
+            valid = llm.validate_tokens(list(draft)) if draft else 0
+            jobs.append((llm, first, list(draft[:valid])))
+            rows.extend(range(first, first + valid + 1))
+        if not jobs:
             return logits
         vocab = self.tokenizer.vocab_size
         words = (vocab + 31) // 32
-        bitmask = np.zeros((len(rows), words), dtype=np.int32)
-        matchers = [(self._matcher(requests[i]).llm, k) for k, i in enumerate(rows)]
-        self.executor.unsafe_compute_mask_ptr(
-            matchers, bitmask.ctypes.data, words * 4, len(rows)
-        )
+        bitmask = np.zeros((len(logits), words), dtype=np.int32)
+        plain = [(llm, first) for llm, first, draft in jobs if not draft]
+        drafted = [job for job in jobs if job[2]]  # llguidance refuses an empty draft list
+        for call, batch in ((self.executor.unsafe_compute_mask_ptr, plain),
+                            (self.executor.unsafe_compute_mask_ptr_with_draft_token, drafted)):
+            if batch:
+                call(batch, bitmask.ctypes.data, words * 4, len(logits))
         # Bit b of byte j of a row (little-endian words) is token 8 j + b.
-        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        allowed = np.unpackbits(bitmask[rows].view(np.uint8), axis=1, bitorder="little")
         banned = np.zeros((len(logits), logits.shape[1]), dtype=bool)
         banned[rows, vocab:] = True  # model rows beyond the tokenizer's vocabulary
-        banned[rows, :vocab] = ~allowed.astype(bool)
+        banned[rows, :vocab] = ~allowed[:, :vocab].astype(bool)
         return logits.masked_fill(torch.from_numpy(banned).to(logits.device), float("-inf"))
 
     @property
@@ -112,11 +127,14 @@ class Grammars:
             self._executor = LLExecutor(num_threads=max(1, os.cpu_count() or 1))
         return self._executor
 
-    def accept(self, requests: list[Any], tokens: list[int]) -> None:
-        """Feed each constrained request the token it was just given."""
-        for request, token in zip(requests, tokens):
+    def accept(self, given: list[tuple[Any, list[int]]]) -> None:
+        """Feed each constrained request the tokens it was just given (its accepted drafts and
+        the token sampled after them)."""
+        for request, tokens in given:
             if request.params.structured_outputs is not None:
-                self._matcher(request).feed(token)
+                matcher = self._matcher(request)
+                for token in tokens:
+                    matcher.feed(token)
 
     def _matcher(self, request: Any) -> _Matcher:
         matcher = self._matchers.get(request)

@@ -104,17 +104,31 @@ def test_preemption_and_chunked_prefill_keep_answers(engine: Engine, make_engine
     assert_idle_accounting(spec)
 
 
-def test_structured_outputs_are_not_drafted_and_keep_their_answer(
+def test_structured_answers_with_drafts_equal_plain_decoding(
     engine: Engine, make_engine: Any
 ) -> None:
+    """Constrained requests are drafted too: each draft row is masked as the grammar stands
+    after the drafts before it. The second round drafts from the tree what the first wrote;
+    the unconstrained answer in the tree is a draft the JSON grammar refuses at once."""
     from engine import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"quote": {"type": "string"}}, "required": ["quote"]}
-    params = greedy(40, structured_outputs=StructuredOutputsParams(json=schema))
-    plain = run(engine, COPY[1:], params)
-    spec = make_engine(num_pages=128, speculation="tree")
-    assert_same(run(spec, COPY[1:], params), plain)
-    assert drafted(spec) == (0, 0)
+    kinds = [StructuredOutputsParams(json=schema),
+             StructuredOutputsParams(regex=r"[A-Z][a-z]+( [a-z]+){3,12}\."),
+             StructuredOutputsParams(choice=["radix trees", "key and value pages"])]
+    spec = make_engine(num_pages=256, speculation="tree")
+    run(spec, COPY[:1], greedy(24))  # the tree holds an unconstrained answer to COPY[0]
+    before = drafted(spec)
+    for kind in kinds:
+        for params in (greedy(40, structured_outputs=kind),
+                       SamplingParams(max_new_tokens=40, temperature=0.8, seed=5,
+                                      structured_outputs=kind)):
+            plain = run(engine, COPY, params)
+            assert_same(run(spec, COPY, params), plain)
+            assert_same(run(spec, COPY, params), plain)
+    draft_tokens, accepted = (now - then for now, then in zip(drafted(spec), before))
+    assert accepted > 0 and draft_tokens > accepted
+    assert_idle_accounting(spec)
 
 
 def test_speculation_is_off_where_passes_are_not_batch_invariant(make_engine: Any) -> None:

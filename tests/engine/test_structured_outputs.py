@@ -117,3 +117,55 @@ def test_a_complete_structure_ends_the_request_even_with_ignore_eos(engine) -> N
                             structured_outputs=Structured(choice=["yes", "no"]))
     [out] = engine.generate(user("Is the sky blue?"), params)
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_draft_rows_are_masked_as_the_grammar_stands_after_the_drafts_before_them(
+    tokenizer,
+) -> None:
+    """Row j of a drafted request gets the mask its matcher computes after the first j draft
+    tokens; rows after a draft token the grammar refuses are left free (the row before bans
+    that token, so nothing past it is accepted); the matcher itself does not move."""
+    import numpy as np
+    import torch
+    from llguidance import LLMatcher
+
+    from engine.model.structured import Grammars
+    from scheduler.request import Request
+
+    grammars = Grammars(tokenizer)
+    spec = Structured(json=PERSON)
+    request = Request(0, [1, 2, 3], greedy(40, structured_outputs=spec))
+    free = Request(1, [1, 2, 3], greedy(40))
+    text = '{"name": "Ada", "age": 36, "city": "London"}'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    request.output = ids[:2]
+    # '{"name' then '":' and a '}' where the key's value must begin: refused.
+    good, refused = ids[2:7], ids[2:3] + tokenizer.encode("}", add_special_tokens=False) + ids[4:6]
+    vocab = tokenizer.vocab_size
+
+    def expected(draft: list[int]) -> list[np.ndarray]:
+        matcher = LLMatcher(grammars.tokenizer, grammars.check(spec))
+        matcher.consume_tokens(request.output)
+        masks = []
+        for j in range(len(draft) + 1):
+            words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab]
+            masks.append(bits.astype(bool))
+            if j < len(draft) and not matcher.consume_token(draft[j]):
+                break
+        return masks
+
+    for draft in (good, refused):
+        rows = 1 + len(draft) + 1  # an unconstrained request's row, then this one's
+        logits = torch.zeros(rows, vocab)
+        masked = grammars.mask(logits, [(free, [], 0), (request, draft, 1)])
+        assert bool(torch.isfinite(masked[0]).all())
+        want = expected(draft)
+        for j, allowed in enumerate(want):
+            assert np.array_equal(torch.isfinite(masked[1 + j]).numpy(), allowed), (draft, j)
+        for row in range(1 + len(want), rows):
+            assert bool(torch.isfinite(masked[row]).all())
+        assert len(want) == (len(draft) + 1 if draft is good else 2)
+    # The matcher is where the output left it: the next mask (no drafts) is row 0's again.
+    again = grammars.mask(torch.zeros(1, vocab), [(request, [], 0)])
+    assert np.array_equal(torch.isfinite(again[0]).numpy(), expected([])[0])

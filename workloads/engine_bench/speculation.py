@@ -6,6 +6,8 @@ Traces (greedy; prompts rendered with the model's chat template):
 - ``agent_edit``: a source file (a stdlib function) and a request to re-emit it with a rename;
 - ``choices``: n = 4 answers to one prompt, sent one after another (regenerations);
 - ``same_question``: one question from several users, each under their own system prompt;
+- ``json_extract``: a document and a JSON schema (structured outputs) asking for its title,
+  its first sentence copied and keywords (an agent's tool arguments quoting its context);
 - ``chat``: distinct questions, nothing repeated (the gate must not lose here);
 - ``shared_prefix``: distinct questions under one long system prompt.
 
@@ -30,8 +32,17 @@ from typing import Any
 
 import msgspec
 
-TRACES = ("rag_quote", "agent_edit", "choices", "same_question", "chat", "shared_prefix")
-REPEATING = ("rag_quote", "agent_edit", "choices", "same_question")
+TRACES = ("rag_quote", "agent_edit", "choices", "same_question", "json_extract", "chat",
+          "shared_prefix")
+REPEATING = ("rag_quote", "agent_edit", "choices", "same_question", "json_extract")
+# Traces whose requests are constrained: the JSON schema their answers follow.
+EXTRACT_SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "first_sentence": {"type": "string"},
+                   "keywords": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
+    "required": ["title", "first_sentence", "keywords"],
+}
+SCHEMAS = {"json_extract": EXTRACT_SCHEMA}
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -96,13 +107,16 @@ def build_traces(count: int) -> dict[str, list[list[dict[str, str]]]]:
     same = [[{"role": "system", "content": f"You are {u}'s assistant. Address {u} by name."},
              {"role": "user", "content": "Explain how a hash table works."}]
             for u in USERS[:count]]
+    extract = [[{"role": "user", "content": f"Document:\n{doc[:1200]}\n\nReturn JSON with the "
+                 "document's title, its first sentence copied exactly, and up to five "
+                 "keywords."}] for doc in docs]
     chat = [[{"role": "user", "content": q}] for q in QUESTIONS[:count]]
     system = " ".join(f"Rule {i}: answer politely, cite the source, keep replies short."
                       for i in range(30))
     shared = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
               for q in QUESTIONS[:count]]
     return {"rag_quote": rag, "agent_edit": edits, "choices": choices, "same_question": same,
-            "chat": chat, "shared_prefix": shared}
+            "json_extract": extract, "chat": chat, "shared_prefix": shared}
 
 
 def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrency: int,
@@ -225,7 +239,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> list[TraceRun]:
-    from engine import Engine, SamplingParams, load_model
+    from engine import Engine, SamplingParams, StructuredOutputsParams, load_model
 
     args = parse_args(argv)
     names = args.trace or list(TRACES)
@@ -250,12 +264,16 @@ def main(argv: Sequence[str] | None = None) -> list[TraceRun]:
           flush=True)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
                             ignore_eos=args.ignore_eos)
+    trace_params = {name: msgspec.structs.replace(
+        params, structured_outputs=StructuredOutputsParams(json=SCHEMAS[name]))
+        for name in SCHEMAS}
     for engine in engines.values():  # warm-up: kernels built, threads started
         engine.generate([traces[names[0]][0]], SamplingParams(max_new_tokens=8))
     runs = []
     for concurrency in args.concurrency or [1, 8]:
         for name, prompts in traces.items():
-            runs.append(bench_trace(engines, name, prompts, params, concurrency, args.repeats,
+            runs.append(bench_trace(engines, name, prompts, trace_params.get(name, params),
+                                    concurrency, args.repeats,
                                     lambda line: print(line, flush=True)))
     for engine in engines.values():
         engine.close()

@@ -302,3 +302,26 @@ def test_gate_respects_the_token_budget() -> None:
     requests = [Request(i, [1], SamplingParams()) for i in range(3)]
     offers = [Candidate(r, [5] * 8, DraftSource.TREE) for r in requests]
     assert sum(gate.grant(offers, 3, 3, 5)) == 5
+
+
+def test_the_gate_prices_rows_only_from_passes_of_decodes_and_verifies() -> None:
+    """A prompt token computes no logits and rides in a taller matrix product: passes with
+    prefill in them would make a draft row look cheaper than it is."""
+    kv = KVManager(64, 4)
+    sched = Scheduler(kv, SchedulerConfig(page_size=4, max_batch_tokens=12, max_running=4,
+                                          speculation="tree", num_speculative_tokens=4))
+    model = LoopingModel(4)
+    for i in range(3):
+        sched.add(Request(i, [1 + i] * 10, SamplingParams(max_new_tokens=12)))
+    decode_only = mixed = 0
+    while sched.has_work:
+        batch = sched.schedule()
+        assert batch is not None
+        sched.commit(batch, model.step(batch))
+        sched.observe_step(batch, 0.010 + 0.001 * batch.num_tokens)
+        if all(e.is_decode for e in batch.entries):
+            decode_only += 1
+        else:
+            mixed += 1
+    assert mixed > 0 and decode_only > 0
+    assert sched._gate is not None and sched._gate.cost.passes == decode_only

@@ -22,7 +22,7 @@ from radix import KVManager
 from scheduler.batch import Batch, BatchEntry
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
-from scheduler.drafts import DraftSource, Drafter
+from scheduler.drafts import Drafter, DraftSource
 from scheduler.grouping import PrefillClaims
 from scheduler.matching import MatchIndex, matchable_length, root_anchor
 from scheduler.params import SamplingParams

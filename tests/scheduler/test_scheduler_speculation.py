@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from radix import KVManager
 from scheduler import Batch, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.drafts import ContextIndex, DraftSource, Drafter
+from scheduler.drafts import ContextIndex, Drafter, DraftSource
 from scheduler.speculation import Candidate, SpeculationGate
 
 ALPHABET = 7

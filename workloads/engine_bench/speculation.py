@@ -14,7 +14,9 @@ Traces (greedy; prompts rendered with the model's chat template):
 Each trace runs at a concurrency (requests in flight: 1 and 8 by default) on two engines over
 one loaded model, speculation off and ``tree``, A B A B, each repetition in a fresh namespace
 (so the tree holds nothing from the previous one). Greedy outputs must be identical: the bench
-fails otherwise. ``--export DIR`` writes each trace's token ids in the format of
+fails otherwise. "ceiling tok/pass" replays the off engine's answers through the drafter's
+sources with free verification (``draft_ceiling``): what the drafts could buy at best, so a
+shortfall can be told apart from the cost of the rows. ``--export DIR`` writes each trace's token ids in the format of
 ``../shared/peers/vllm_cpu/run_vllm.py --workloads`` (one request list, generated at once).
 """
 
@@ -76,6 +78,8 @@ class TraceRun(msgspec.Struct):
     decode_speedup: float
     draft_tokens: int
     accepted_tokens: int
+    # Tokens per decode pass if every pass verified its drafts for free (``draft_ceiling``).
+    ceiling_tokens_per_pass: float
     identical: bool
     runs_off_s: list[float]
     runs_tree_s: list[float]
@@ -119,6 +123,41 @@ def build_traces(count: int) -> dict[str, list[list[dict[str, str]]]]:
             "json_extract": extract, "chat": chat, "shared_prefix": shared}
 
 
+def draft_ceiling(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> float:
+    """Tokens per decode pass if every pass verified ``k`` draft tokens for free, drafting as
+    the engine does (an earlier sequence this one follows exactly, then the request's own
+    n-grams, then the earlier sequences' n-grams; one namespace, sent in order): how far the
+    drafts can carry a trace's answers at best, before any row is paid for."""
+    from scheduler import Request, SamplingParams
+    from scheduler.drafts import ContextIndex, NamespaceIndex
+
+    earlier: list[list[int]] = []
+    index = NamespaceIndex(k)
+    passes = decoded = 0
+    for prompt, output in sequences:
+        request = Request(0, list(prompt), SamplingParams())
+        context = ContextIndex()
+        t = 1  # the first token comes from the prefill pass
+        while t < len(output):
+            request.output = list(output[:t])
+            context.sync(request)
+            seq = context.tokens
+            n = len(seq)
+            follows = [e[n : n + k] for e in reversed(earlier) if len(e) > n and e[:n] == seq]
+            draft = (follows[0] if follows else None) or context.lookup(k) or index.lookup(
+                None, seq, k)
+            draft = draft[: len(output) - t - 1]
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == output[t + accepted]:
+                accepted += 1
+            passes += 1
+            t += accepted + 1
+        decoded += max(0, len(output) - 1)
+        earlier.append([*prompt, *output])
+        index.add(None, earlier[-1])
+    return decoded / passes if passes else 1.0
+
+
 def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrency: int,
                     namespace: str) -> tuple[float, list[list[int]], float]:
     """Send ``prompts`` in order with at most ``concurrency`` in flight; wall seconds, the
@@ -149,7 +188,7 @@ def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrenc
 
 
 def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: Any,
-                concurrency: int, repeats: int,
+                concurrency: int, repeats: int, k: int,
                 log: Callable[[str], None]) -> TraceRun:
     walls: dict[str, list[float]] = {"off": [], "tree": []}
     decode: dict[str, list[float]] = {"off": [], "tree": []}
@@ -176,11 +215,13 @@ def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: 
     if not identical:
         raise AssertionError(f"{name} c={concurrency}: greedy outputs differ with speculation")
     tokens = sum(len(o) for o in outs["off"])
+    ceiling = draft_ceiling(
+        [(engines["off"].encode(p), o) for p, o in zip(prompts, outs["off"])], k)
     off, tree = statistics.median(walls["off"]), statistics.median(walls["tree"])
     d_off, d_tree = statistics.median(decode["off"]), statistics.median(decode["tree"])
     return TraceRun(name, concurrency, len(prompts), tokens, tokens / off, tokens / tree,
                     off / tree, d_off, d_tree, d_tree / d_off if d_off else 0.0,
-                    drafted // repeats, accepted // repeats, identical,
+                    drafted // repeats, accepted // repeats, ceiling, identical,
                     walls["off"], walls["tree"])
 
 
@@ -204,14 +245,15 @@ def export_for_vllm(engine: Any, traces: dict[str, list[Any]], directory: Path,
 def format_table(runs: Sequence[TraceRun]) -> str:
     lines = ["| trace | in flight | requests | tokens | off tok/s | tree tok/s | speedup | "
              "decode tok/s off / tree (per request) | decode speedup | accepted / drafted | "
-             "identical |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "ceiling tok/pass | identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in runs:
         rate = f"{r.accepted_tokens} / {r.draft_tokens}" if r.draft_tokens else "0 / 0"
         lines.append(f"| {r.trace} | {r.concurrency} | {r.requests} | {r.generated_tokens} | "
                      f"{r.off_tok_s:.1f} | {r.tree_tok_s:.1f} | {r.speedup:.2f}x | "
                      f"{r.off_decode_tok_s:.1f} / {r.tree_decode_tok_s:.1f} | "
-                     f"{r.decode_speedup:.2f}x | {rate} | {'yes' if r.identical else 'NO'} |")
+                     f"{r.decode_speedup:.2f}x | {rate} | {r.ceiling_tokens_per_pass:.2f} | "
+                     f"{'yes' if r.identical else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -273,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> list[TraceRun]:
     for concurrency in args.concurrency or [1, 8]:
         for name, prompts in traces.items():
             runs.append(bench_trace(engines, name, prompts, trace_params.get(name, params),
-                                    concurrency, args.repeats,
+                                    concurrency, args.repeats, args.num_speculative_tokens,
                                     lambda line: print(line, flush=True)))
     for engine in engines.values():
         engine.close()

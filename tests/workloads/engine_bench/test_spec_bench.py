@@ -28,3 +28,14 @@ def test_the_extract_trace_asks_for_what_its_schema_allows() -> None:
     assert len(traces["json_extract"]) == 2
     assert "first sentence" in traces["json_extract"][0][-1]["content"]
     jsonschema.Draft202012Validator.check_schema(spec_bench.SCHEMAS["json_extract"])
+
+
+def test_the_draft_ceiling_counts_decode_passes_with_free_drafts() -> None:
+    fresh = ([1, 2, 3], list(range(10, 18)))  # nothing repeats: one token per pass
+    assert spec_bench.draft_ceiling([fresh], k=4) == 1.0
+    # The same request again follows the first exactly: passes take 4 drafts + 1, then 1 + 1.
+    assert spec_bench.draft_ceiling([fresh, fresh], k=4) == 14 / 9
+    # Its own context repeats: no draft until the 2-gram (7, 8) recurs (5 passes), then each
+    # draft is the 3 tokens after the latest occurrence, accepted, + 1: 17 tokens in 8 passes.
+    looping = ([1, 2, 3], [7, 8, 9] * 6)
+    assert spec_bench.draft_ceiling([looping], k=8) == 17 / 8

@@ -79,7 +79,9 @@ class Grammars:
 
     # ------------------------------------------------------------------- masking
 
-    def mask(self, logits: torch.Tensor, spans: list[tuple[Any, Sequence[int], int]]) -> torch.Tensor:
+    def mask(
+        self, logits: torch.Tensor, spans: list[tuple[Any, Sequence[int], int]]
+    ) -> torch.Tensor:
         """``logits`` with each constrained row's disallowed tokens at -inf, in a new tensor
         (the caller's logits stay the model's, for log-probabilities). ``spans`` holds each
         sampled entry's scheduler Request, its draft tokens and its first logits row: row

@@ -16,8 +16,10 @@ one loaded model, speculation off and ``tree``, A B A B, each repetition in a fr
 (so the tree holds nothing from the previous one). Greedy outputs must be identical: the bench
 fails otherwise. "ceiling tok/pass" replays the off engine's answers through the drafter's
 sources with free verification (``draft_ceiling``): what the drafts could buy at best, so a
-shortfall can be told apart from the cost of the rows. ``--export DIR`` writes each trace's token ids in the format of
-``../shared/peers/vllm_cpu/run_vllm.py --workloads`` (one request list, generated at once).
+shortfall can be told apart from the cost of the rows (requests one after another: at 8 in
+flight, concurrent requests cannot draft from each other). ``--export DIR`` writes each trace's
+token ids in the format of ``../shared/peers/vllm_cpu/run_vllm.py --workloads`` (one request
+list, generated at once).
 """
 
 from __future__ import annotations

@@ -100,8 +100,9 @@ class Grammars:
             if request.params.structured_outputs is None:
                 continue
             llm = self._matcher(request).llm
-            valid = llm.validate_tokens(list(draft)) if draft else 0
-            jobs.append((llm, first, list(draft[:valid])))
+            tokens = list(draft)
+            valid = llm.validate_tokens(tokens) if tokens else 0
+            jobs.append((llm, first, tokens[:valid]))
             rows.extend(range(first, first + valid + 1))
         if not jobs:
             return logits

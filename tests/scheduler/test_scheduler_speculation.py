@@ -191,13 +191,20 @@ def test_repeats_are_drafted_and_accepted_in_fewer_steps() -> None:
     assert off.counters.spec_decode_num_drafts == 0
 
 
-def test_tree_continuation_is_read_only_within_the_namespace() -> None:
+def _drafter_over(seq: list[int], namespace: str) -> tuple[KVManager, Drafter]:
+    """A drafter on a fresh manager whose tree holds ``seq`` in ``namespace`` (stored through
+    the manager, so the namespace index has seen its ``PagesStored`` events)."""
     kv = KVManager(64, 4)
     drafter = Drafter(kv, 8)
-    seq = list(range(100, 124))
-    handle = kv.acquire([], "a")
+    handle = kv.acquire([], namespace)
     assert kv.allocate(handle, len(seq))
-    kv.release(handle, seq)  # the tree of namespace "a" now holds the whole sequence
+    kv.release(handle, seq)
+    return kv, drafter
+
+
+def test_tree_continuation_is_read_only_within_the_namespace() -> None:
+    seq = list(range(100, 124))
+    kv, drafter = _drafter_over(seq, "a")
     before = [(p.page, p.key) for p in kv.tree.walk_pages()]
     for namespace, expected in (("a", DraftSource.TREE), ("b", None), (None, None)):
         request = Request(namespace or "none", seq[:8], SamplingParams(max_new_tokens=16), namespace)
@@ -213,12 +220,8 @@ def test_tree_continuation_is_read_only_within_the_namespace() -> None:
 
 
 def test_namespace_index_drafts_only_within_its_namespace() -> None:
-    kv = KVManager(64, 4)
-    drafter = Drafter(kv, 8)
     seq = list(range(200, 232))
-    handle = kv.acquire([], "a")
-    assert kv.allocate(handle, len(seq))
-    kv.release(handle, seq)  # PagesStored: the index learns namespace "a"'s n-grams
+    kv, drafter = _drafter_over(seq, "a")
     assert len(drafter.namespaces) > 0
     for namespace in ("a", "b"):
         # A different start, then an n-gram of the cached sequence: no exact prefix to follow.

@@ -145,9 +145,9 @@ def draft_ceiling(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: i
             context.sync(request)
             seq = context.tokens
             n = len(seq)
-            follows = [e[n : n + k] for e in reversed(earlier) if len(e) > n and e[:n] == seq]
-            draft = (follows[0] if follows else None) or context.lookup(k) or index.lookup(
-                None, seq, k)
+            follows = next((e[n : n + k] for e in reversed(earlier)
+                            if len(e) > n and e[:n] == seq), None)
+            draft = follows or context.lookup(k) or index.lookup(None, seq, k)
             draft = draft[: len(output) - t - 1]
             accepted = 0
             while accepted < len(draft) and draft[accepted] == output[t + accepted]:

@@ -5,7 +5,10 @@ No draft model: a decoding request's next tokens are guessed from
    (``n`` choices run one after another, retries, regenerations, replays);
 2. the request's own context: the tokens that followed the last earlier occurrence of its
    latest n-gram (an answer quoting its document, an agent re-emitting a file);
-3. the tree's other sequences of the same namespace, by n-gram (the same question asked with a
+3. what the other running requests of the same namespace have generated, by n-gram (the same
+   question asked by several users at once, agents filling one schema side by side): their
+   answers reach the tree only when they finish;
+4. the tree's other sequences of the same namespace, by n-gram (the same question asked with a
    different preamble), indexed from the manager's ``PagesStored`` events (and the partial last
    page of each finished request, which the tree does not keep), bounded.
 
@@ -32,6 +35,7 @@ TREE_INDEX_CAPACITY = 1 << 16
 class DraftSource(enum.Enum):
     TREE = "tree"  # the tree's continuation of the exact sequence
     CONTEXT = "context"  # an n-gram of the request's own tokens
+    PEER = "peer"  # an n-gram of what a running request of the namespace generated
     NAMESPACE = "namespace"  # an n-gram of the namespace's cached sequences
 
 
@@ -75,6 +79,56 @@ class ContextIndex:
         return []
 
 
+class PeerIndex:
+    """Where each ``TREE_NGRAM``-gram of the running requests' generated tokens first occurred,
+    per namespace (the first writer is the request furthest ahead in that phrase, so its
+    continuation is the longest). Values point into the requests' ``ContextIndex`` tokens, which
+    only grow; a request's entries go when it ends, so the index holds what is running."""
+
+    def __init__(self) -> None:
+        self._first: dict[tuple[str | None, tuple[int, ...]], tuple[ContextIndex, int]] = {}
+        # Each request's namespace and the continuations it has entered: [low, high).
+        self._indexed: dict[ContextIndex, tuple[str | None, int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+    def add(self, namespace: str | None, context: ContextIndex, prompt_len: int) -> None:
+        """Take in ``context``'s tokens since the last call: entries whose continuation starts
+        in its output (a prompt is in the tree already, or private to its request)."""
+        n, tokens, first = TREE_NGRAM, context.tokens, self._first
+        low = max(n, prompt_len)
+        _, low, high = self._indexed.get(context, (namespace, low, low))
+        # As in ContextIndex, the n-gram ending at the last token is a query, not an entry.
+        for cont in range(high, len(tokens)):
+            first.setdefault((namespace, tuple(tokens[cont - n : cont])), (context, cont))
+        self._indexed[context] = (namespace, low, max(high, len(tokens)))
+
+    def lookup(self, namespace: str | None, context: ContextIndex, max_tokens: int) -> list[int]:
+        """What a peer generated after ``context``'s latest n-gram."""
+        tokens = context.tokens
+        if len(tokens) < TREE_NGRAM:
+            return []
+        found = self._first.get((namespace, tuple(tokens[-TREE_NGRAM:])))
+        if found is None or found[0] is context:
+            return []
+        peer, cont = found
+        return peer.tokens[cont : cont + max_tokens]
+
+    def remove(self, context: ContextIndex) -> None:
+        """``context``'s request ended: its entries go."""
+        indexed = self._indexed.pop(context, None)
+        if indexed is None:
+            return
+        namespace, low, high = indexed
+        n, tokens, first = TREE_NGRAM, context.tokens, self._first
+        for cont in range(low, high):
+            key = (namespace, tuple(tokens[cont - n : cont]))
+            found = first.get(key)
+            if found is not None and found[0] is context:
+                del first[key]
+
+
 class NamespaceIndex:
     """The latest continuation of each ``TREE_NGRAM``-gram stored in the tree, per namespace;
     at most ``capacity`` n-grams (least recently stored dropped first). Entries outlive their
@@ -113,23 +167,41 @@ class NamespaceIndex:
 
 
 class Drafter:
-    """Proposes draft tokens for decoding requests from the three sources above, best first."""
+    """Proposes draft tokens for decoding requests from the four sources above, best first."""
 
     def __init__(self, kv: KVManager, max_tokens: int) -> None:
         self._kv = kv
         self._contexts: dict[Request, ContextIndex] = {}
+        self.peers = PeerIndex()
         self.namespaces = NamespaceIndex(max_tokens)
         kv.subscribe(self.namespaces.on_event)
+
+    def sync(self, request: Request) -> ContextIndex:
+        """Index ``request``'s tokens appended since the last call (its own context, and what
+        its peers may draft from)."""
+        context = self._contexts.get(request)
+        if context is None:
+            context = self._contexts[request] = ContextIndex()
+        context.sync(request)
+        self.peers.add(request.namespace, context, len(request.prompt))
+        return context
+
+    def propose_all(
+        self, wants: Sequence[tuple[Request, int]]
+    ) -> list[tuple[list[int], DraftSource | None]]:
+        """``propose`` for each (request, max tokens), every request indexed first: a peer's
+        token sampled in the last step is already there to draft from."""
+        for request, max_tokens in wants:
+            if max_tokens > 0:
+                self.sync(request)
+        return [self.propose(request, max_tokens) for request, max_tokens in wants]
 
     def propose(self, request: Request, max_tokens: int) -> tuple[list[int], DraftSource | None]:
         """Up to ``max_tokens`` guesses of what ``request`` (decoding: its last token is
         sampled, its K/V not yet computed) generates next, and where they came from."""
         if max_tokens <= 0:
             return [], None
-        context = self._contexts.get(request)
-        if context is None:
-            context = self._contexts[request] = ContextIndex()
-        context.sync(request)
+        context = self.sync(request)
         handle = request.kv
         if handle is not None and self._kv.prefix_cache:
             after = context.tokens[handle.cached_len :]
@@ -139,6 +211,9 @@ class Drafter:
         draft = context.lookup(max_tokens)
         if draft:
             return draft, DraftSource.CONTEXT
+        draft = self.peers.lookup(request.namespace, context, max_tokens)
+        if draft:
+            return draft, DraftSource.PEER
         draft = self.namespaces.lookup(request.namespace, context.tokens, max_tokens)
         if draft:
             return draft, DraftSource.NAMESPACE
@@ -154,5 +229,7 @@ class Drafter:
         self.forget(request)
 
     def forget(self, request: Request) -> None:
-        """The request ended: drop its context index."""
-        self._contexts.pop(request, None)
+        """The request ended: drop its context index and its entries in the peers'."""
+        context = self._contexts.pop(request, None)
+        if context is not None:
+            self.peers.remove(context)

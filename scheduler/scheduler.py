@@ -359,14 +359,11 @@ class Scheduler:
         if plan.budget <= 0 or not gate.may_grant(tokens, sampled):
             return
         cap = self._config.num_speculative_tokens
-        candidates: list[Candidate] = []
-        for request, entry in plan.entries.items():
-            if not entry.is_decode:
-                continue
-            room = min(cap, request.max_new_tokens - len(request.output) - 1)
-            draft, source = drafter.propose(request, room)
-            if draft and source is not None:
-                candidates.append(Candidate(request, draft, source))
+        wants = [(request, min(cap, request.max_new_tokens - len(request.output) - 1))
+                 for request, entry in plan.entries.items() if entry.is_decode]
+        candidates = [Candidate(request, draft, source)
+                      for (request, _), (draft, source) in zip(wants, drafter.propose_all(wants))
+                      if draft and source is not None]
         if not candidates:
             return
         granted = gate.grant(candidates, tokens, sampled, plan.budget)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from scheduler.drafts import DraftSource
 from scheduler.request import Request
 
-PRIORS = {DraftSource.TREE: 0.9, DraftSource.CONTEXT: 0.6, DraftSource.NAMESPACE: 0.5}
+PRIORS = {DraftSource.TREE: 0.9, DraftSource.CONTEXT: 0.6, DraftSource.PEER: 0.5,
+          DraftSource.NAMESPACE: 0.5}
 PRIOR_WEIGHT = 1.0  # trials the prior counts for
 HISTORY_DECAY = 0.9  # weight of older outcomes at each verify
 IDLE_DECAY = 0.95  # per step a draft was offered but not verified: back toward the prior

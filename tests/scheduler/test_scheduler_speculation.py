@@ -9,7 +9,8 @@ draft's K/V that reached the tree, or a page freed too early, fails the test.
 
 Pinned: outputs with speculation equal outputs without (under chunked prefill, preemption,
 tiny pools, several namespaces), every page is accounted for at idle, the tree only ever holds
-real sequences, drafts never cross namespaces, and the gate stops drafting where drafts fail.
+real sequences, drafts (from the tree, the namespace's index or running peers) never cross
+namespaces, and the gate stops drafting where drafts fail.
 """
 
 from __future__ import annotations
@@ -233,6 +234,29 @@ def test_namespace_index_drafts_only_within_its_namespace() -> None:
             assert source is DraftSource.NAMESPACE and draft == seq[12:16]
         else:
             assert source is None and draft == []
+
+
+def test_a_running_request_drafts_what_a_running_peer_of_its_namespace_generated() -> None:
+    kv = KVManager(64, 4)
+    drafter = Drafter(kv, 8)
+    phrase = [50, 51, 52, 53]
+    ahead = Request("ahead", [1, 2, 3], SamplingParams(max_new_tokens=32), "a")
+    ahead.output = [9, *phrase, 60, 61, 62]
+    drafter.sync(ahead)
+    for name, namespace in (("behind", "a"), ("stranger", "b")):
+        request = Request(name, [4, 5], SamplingParams(max_new_tokens=32), namespace)
+        request.output = [8, *phrase]
+        draft, source = drafter.propose(request, 5)
+        if namespace == "a":
+            assert source is DraftSource.PEER and draft == [60, 61, 62]
+        else:
+            assert source is None and draft == []
+        drafter.forget(request)
+    drafter.forget(ahead)  # it ended: its answer reaches the drafts through the tree now
+    assert len(drafter.peers) == 0
+    behind = Request("again", [4, 5], SamplingParams(max_new_tokens=32), "a")
+    behind.output = [8, *phrase]
+    assert drafter.propose(behind, 5) == ([], None)
 
 
 @settings(max_examples=100, deadline=None)

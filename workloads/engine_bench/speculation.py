@@ -15,9 +15,9 @@ Each trace runs at a concurrency (requests in flight: 1 and 8 by default) on two
 one loaded model, speculation off and ``tree``, A B A B, each repetition in a fresh namespace
 (so the tree holds nothing from the previous one). Greedy outputs must be identical: the bench
 fails otherwise. "ceiling tok/pass" replays the off engine's answers through the drafter's
-sources with free verification (``draft_ceiling``): what the drafts could buy at best, so a
-shortfall can be told apart from the cost of the rows (requests one after another: at 8 in
-flight, concurrent requests cannot draft from each other). ``--export DIR`` writes each trace's
+sources with free verification, at the run's concurrency, each request in flight decoding one
+pass per step (``draft_ceiling``): what the drafts could buy at best, so a shortfall can be told
+apart from the cost of the rows. ``--export DIR`` writes each trace's
 token ids in the format of ``../shared/peers/vllm_cpu/run_vllm.py --workloads`` (one request
 list, generated at once).
 """
@@ -80,7 +80,8 @@ class TraceRun(msgspec.Struct):
     decode_speedup: float
     draft_tokens: int
     accepted_tokens: int
-    # Tokens per decode pass if every pass verified its drafts for free (``draft_ceiling``).
+    # Tokens per decode pass if every pass verified its drafts for free (``draft_ceiling``,
+    # at this concurrency).
     ceiling_tokens_per_pass: float
     identical: bool
     runs_off_s: list[float]
@@ -125,38 +126,57 @@ def build_traces(count: int) -> dict[str, list[list[dict[str, str]]]]:
             "json_extract": extract, "chat": chat, "shared_prefix": shared}
 
 
-def draft_ceiling(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> float:
+def draft_ceiling(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int,
+                  concurrency: int = 1) -> float:
     """Tokens per decode pass if every pass verified ``k`` draft tokens for free, drafting as
-    the engine does (an earlier sequence this one follows exactly, then the request's own
-    n-grams, then the earlier sequences' n-grams; one namespace, sent in order): how far the
-    drafts can carry a trace's answers at best, before any row is paid for."""
+    the engine does (a finished sequence this one follows exactly, then the request's own
+    n-grams, then what its running peers generated, then the finished sequences' n-grams; one
+    namespace), with ``concurrency`` requests in flight in send order, each decoding one pass
+    per step: how far the drafts can carry a trace's answers at best, before any row is paid
+    for."""
     from scheduler import Request, SamplingParams
-    from scheduler.drafts import ContextIndex, NamespaceIndex
+    from scheduler.drafts import ContextIndex, NamespaceIndex, PeerIndex
 
-    earlier: list[list[int]] = []
-    index = NamespaceIndex(k)
+    finished: list[list[int]] = []
+    index, peers = NamespaceIndex(k), PeerIndex()
+    waiting = list(sequences)[::-1]
+    # Each running request: (request, its context, its answer, tokens of it decoded so far).
+    running: list[tuple[Request, ContextIndex, Sequence[int], int]] = []
     passes = decoded = 0
-    for prompt, output in sequences:
-        request = Request(0, list(prompt), SamplingParams())
-        context = ContextIndex()
-        t = 1  # the first token comes from the prefill pass
-        while t < len(output):
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            prompt, output = waiting.pop()
+            running.append((Request(0, list(prompt), SamplingParams()), ContextIndex(), output,
+                            1))  # the first token comes from the prefill pass
+        for request, context, output, t in running:
             request.output = list(output[:t])
             context.sync(request)
-            seq = context.tokens
-            n = len(seq)
-            follows = next((e[n : n + k] for e in reversed(earlier)
-                            if len(e) > n and e[:n] == seq), None)
-            draft = follows or context.lookup(k) or index.lookup(None, seq, k)
-            draft = draft[: len(output) - t - 1]
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == output[t + accepted]:
-                accepted += 1
-            passes += 1
-            t += accepted + 1
-        decoded += max(0, len(output) - 1)
-        earlier.append([*prompt, *output])
-        index.add(None, earlier[-1])
+            peers.add(None, context, len(request.prompt))
+        advanced = []
+        for request, context, output, t in running:
+            if t < len(output):
+                seq = context.tokens
+                n = len(seq)
+                follows = next((e[n : n + k] for e in reversed(finished)
+                                if len(e) > n and e[:n] == seq), None)
+                draft = (follows or context.lookup(k) or peers.lookup(None, context, k)
+                         or index.lookup(None, seq, k))
+                draft = draft[: len(output) - t - 1]
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == output[t + accepted]:
+                    accepted += 1
+                passes += 1
+                t += accepted + 1
+            advanced.append((request, context, output, t))
+        running = []
+        for request, context, output, t in advanced:
+            if t < len(output):
+                running.append((request, context, output, t))
+                continue
+            decoded += max(0, len(output) - 1)
+            finished.append([*request.prompt, *output])
+            index.add(None, finished[-1])
+            peers.remove(context)
     return decoded / passes if passes else 1.0
 
 
@@ -218,7 +238,7 @@ def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: 
         raise AssertionError(f"{name} c={concurrency}: greedy outputs differ with speculation")
     tokens = sum(len(o) for o in outs["off"])
     ceiling = draft_ceiling(
-        [(engines["off"].encode(p), o) for p, o in zip(prompts, outs["off"])], k)
+        [(engines["off"].encode(p), o) for p, o in zip(prompts, outs["off"])], k, concurrency)
     off, tree = statistics.median(walls["off"]), statistics.median(walls["tree"])
     d_off, d_tree = statistics.median(decode["off"]), statistics.median(decode["tree"])
     return TraceRun(name, concurrency, len(prompts), tokens, tokens / off, tokens / tree,

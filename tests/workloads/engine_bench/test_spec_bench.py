@@ -39,3 +39,15 @@ def test_the_draft_ceiling_counts_decode_passes_with_free_drafts() -> None:
     # draft is the 3 tokens after the latest occurrence, accepted, + 1: 17 tokens in 8 passes.
     looping = ([1, 2, 3], [7, 8, 9] * 6)
     assert spec_bench.draft_ceiling([looping], k=8) == 17 / 8
+
+
+def test_the_draft_ceiling_at_a_concurrency_drafts_only_from_what_peers_generated_already() -> None:
+    fresh = ([1, 2, 3], list(range(10, 18)))
+    # Both in flight at once, in lockstep: neither is ever ahead of the other.
+    assert spec_bench.draft_ceiling([fresh, fresh], k=4, concurrency=2) == 1.0
+    # The second answer is the first's two tokens late: once its last 4-gram (10, 11, 12, 13)
+    # is one the first has generated, it drafts the first's 2 tokens beyond it and catches up,
+    # then runs in lockstep: 19 + 21 tokens in 38 passes.
+    ahead = ([1, 2, 3], list(range(10, 30)))
+    late = ([4, 5, 6], [90, 91, *range(10, 30)])
+    assert spec_bench.draft_ceiling([ahead, late], k=4, concurrency=2) == 40 / 38

@@ -87,6 +87,28 @@ class OursCase:
         return run
 
 
+    def verify(self, contexts: list[list[int]], rows: int) -> Callable[[], None]:
+        """One pass in which each request feeds ``rows`` tokens after its context: a decode
+        (1 row) or a speculative verify (the last token and ``rows - 1`` drafts)."""
+        ps = self.ps
+        per_req = -(-(len(contexts[0]) + rows) // ps)
+        reqs = [Request(i, c, SamplingParams()) for i, c in enumerate(contexts)]
+        tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(reqs))]
+        for r, t in zip(reqs, tables):  # untimed: fill the pool with each context
+            self.runner.forward(Batch([BatchEntry.on_pages(r, r.prompt, 0, t, ps)], ps))
+            r.output = [0]
+        entries = [BatchEntry.on_pages(r, [7] * rows, len(r.prompt), t, ps)
+                   for r, t in zip(reqs, tables)]
+        for e in entries:  # every row computes logits, as a verify's rows do
+            e.draft = e.input_ids[1:]
+        batch = Batch(entries, ps)
+
+        def run() -> None:
+            self.runner.forward(batch)
+
+        return run
+
+
 def hf_prefill(hf: Any, ids: list[int]) -> Callable[[], None]:
     x = torch.tensor([ids])
 
@@ -211,6 +233,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-transformers", action="store_true", help="skip the reference")
+    ap.add_argument("--verify-rows", type=int, nargs="*", default=[], metavar="ROWS",
+                    help="instead: ms of one pass where each request of each --decode-batch "
+                    "feeds ROWS tokens (a verify of ROWS - 1 drafts), at each --verify-context")
+    ap.add_argument("--verify-context", type=int, nargs="*", default=[128, 512, 1100])
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -222,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     def rand_ids(n: int) -> list[int]:
         return torch.randint(100, vocab, (n,), generator=gen).tolist()
 
+    if args.verify_rows:
+        return verify_table(loaded, args, rand_ids)
     bandwidth = memory_bandwidth()
     peak = matmul_peak(loaded.dtype)
     weights = model_bytes(loaded)
@@ -271,6 +299,37 @@ def main(argv: list[str] | None = None) -> None:
             f"{r.case:<22}{vals}{floor_tok_s:>14.1f}"
             f"{r.seconds['exact'] / r.floor_s:>12.2f}x{r.tok_s('exact') / r.tok_s('fast'):>12.2f}"
         )
+
+
+def verify_table(loaded: Any, args: argparse.Namespace,
+                 rand_ids: Callable[[int], list[int]]) -> None:
+    """Pass milliseconds by requests x rows per request x context: what a draft row costs
+    next to the pass it rides in (the speculation gate fits the same line online)."""
+    cases: list[tuple[str, int, float, dict[str, Callable[[], None]]]] = []
+    with torch.inference_mode():
+        for ctx in args.verify_context:
+            for b in args.decode_batch:
+                contexts = [rand_ids(ctx) for _ in range(b)]
+                case = OursCase(loaded, args.page_size, b * (ctx + max(args.verify_rows)),
+                                threads=args.threads)
+                for rows in args.verify_rows:
+                    cases.append((f"{ctx} {b} {rows}", b * rows, 1.0,
+                                  {"exact": case.verify(contexts, rows)}))
+        results = measure(cases, args.repeats)
+    print(f"model_bench --verify-rows: dtype={loaded.dtype}, page_size={args.page_size}, "
+          f"median of {args.repeats} repeats; ms per pass (requests x rows per request)")
+    print("| context | requests | " + " | ".join(f"{r} row{'s' * (r > 1)}/request"
+                                                 for r in args.verify_rows)
+          + " | ms per extra row |")
+    print("| ---: | ---: | " + " | ".join("---:" for _ in args.verify_rows) + " | ---: |")
+    by_case = {r.case: r.seconds["exact"] * 1e3 for r in results}
+    for ctx in args.verify_context:
+        for b in args.decode_batch:
+            ms = [by_case[f"{ctx} {b} {rows}"] for rows in args.verify_rows]
+            lo, hi = min(args.verify_rows), max(args.verify_rows)
+            extra = (ms[args.verify_rows.index(hi)] - ms[args.verify_rows.index(lo)]) / (
+                b * (hi - lo)) if hi > lo else 0.0
+            print(f"| {ctx} | {b} | " + " | ".join(f"{m:.2f}" for m in ms) + f" | {extra:.2f} |")
 
 
 if __name__ == "__main__":

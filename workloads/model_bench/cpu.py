@@ -7,7 +7,8 @@ the case's floor: decode is bounded by reading the weights and the KV once per s
 bandwidth, prefill by its FLOPs at the measured matrix-product peak (the faster of torch's
 BLAS and our products, with the same threads). Configurations are
 interleaved and the median of repeats is quoted, because CPU speed drifts from minute to
-minute.
+minute. ``--verify-rows 1 3 5 9`` prints instead the milliseconds of one pass by requests x rows
+per request x context: what a speculative draft row costs next to the pass it rides in.
 """
 
 from __future__ import annotations

@@ -233,6 +233,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "verified exactly) or off (default)")
     add("--num-speculative-tokens", type=int, metavar="N",
         help="at most N draft tokens per request and step (default 8)")
+    add("--no-share-rows", dest="share_rows", action="store_false", default=None,
+        help="compute identical requests in flight together separately (default: once)")
     add("--backend", choices=("auto", *BACKENDS), help="attention backend (default auto)")
     add("--threads", type=int, metavar="N", help="CPU threads for prefill (default: all cores)")
     add("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None,

@@ -19,6 +19,9 @@ class BatchEntry:
     computed: its logits are not needed. ``draft`` (speculative decoding) are guessed tokens
     fed after the decode's token (``input_ids = [last sampled] + draft``): every one of its
     rows is sampled, and the longest prefix of the draft that matches is accepted.
+    ``twin_of`` (``scheduler/twins.py``): another entry of the pass whose request has this
+    one's tokens and sampling; it is computed once, for both: the runner copies its K/V into
+    this entry's slots and gives this entry its tokens.
     """
 
     request: Request
@@ -28,6 +31,7 @@ class BatchEntry:
     slots: list[int]
     sample: bool
     draft: list[int] = field(default_factory=list)
+    twin_of: BatchEntry | None = None
 
     @classmethod
     def on_pages(
@@ -78,6 +82,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(len(e.input_ids) for e in self.entries)
+
+    @property
+    def num_computed_rows(self) -> int:
+        """Tokens the pass computes: twins' rows are their leaders' (``BatchEntry.twin_of``)."""
+        return sum(len(e.input_ids) for e in self.entries if e.twin_of is None)
 
     @property
     def num_decode(self) -> int:

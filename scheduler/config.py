@@ -49,6 +49,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # most ``num_speculative_tokens`` draft tokens per request and step (the gate picks fewer).
     speculation: str = "off"
     num_speculative_tokens: int = 8
+    # Identical requests in flight together (same namespace, tokens and deterministic
+    # sampling) compute their rows once (scheduler/twins.py). Exact only where a row does not
+    # depend on its pass: the engine turns it off where passes are not batch-invariant.
+    share_rows: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("page_size", self.page_size)
@@ -62,6 +66,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache: must be a bool, got {self.prefix_cache!r}")
+        if not isinstance(self.share_rows, bool):
+            raise ValueError(f"share_rows: must be a bool, got {self.share_rows!r}")
         if self.speculation not in SPECULATION:
             raise ValueError(
                 f"speculation: must be one of {', '.join(SPECULATION)}, got {self.speculation!r}"

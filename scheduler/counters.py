@@ -38,6 +38,8 @@ class SchedulerCounters:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Rows a request got from an identical request's computation (scheduler/twins.py).
+    shared_rows: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -29,6 +29,7 @@ from scheduler.params import SamplingParams
 from scheduler.policy import make_queue
 from scheduler.request import Request, RequestState
 from scheduler.speculation import Candidate, SpeculationGate
+from scheduler.twins import follows, twin_key
 
 # Weight of one finished request in the moving average of the generated fraction.
 _RATIO_EMA_WEIGHT = 0.1
@@ -73,6 +74,8 @@ class Scheduler:
         self._drafter: Drafter | None = None
         self._gate: SpeculationGate | None = None
         self._draft_sources: dict[Request, DraftSource] = {}
+        # Each decoding request's twin key (scheduler/twins.py), made once.
+        self._twin_keys: dict[Request, tuple[object, ...] | None] = {}
         self._accepted_per_pos = [0] * config.num_speculative_tokens
         if config.speculation == "tree":
             self._drafter = Drafter(kv, config.num_speculative_tokens)
@@ -187,6 +190,9 @@ class Scheduler:
         # 4. Draft tokens for decoding requests, where the gate expects them to pay.
         if self._drafter is not None and plan.entries:
             self._add_drafts(plan)
+        # 5. Identical requests: one computes, the others copy.
+        if cfg.share_rows:
+            self._share_rows(plan)
         if not plan.entries:
             return None
         self._counters.steps += 1
@@ -257,12 +263,13 @@ class Scheduler:
         cached, overwritten when those positions are computed for real."""
         request = entry.request
         accepted = [int(t) for t in tokens] if isinstance(tokens, Sequence) else [int(tokens)]
-        matched = 0
-        while matched < min(len(entry.draft), len(accepted)) and (
-            accepted[matched] == entry.draft[matched]
-        ):
-            matched += 1
-        self._record_verify(request, len(entry.draft), matched)
+        if entry.twin_of is None:  # a twin's draft is its leader's tokens, counted there
+            matched = 0
+            while matched < min(len(entry.draft), len(accepted)) and (
+                accepted[matched] == entry.draft[matched]
+            ):
+                matched += 1
+            self._record_verify(request, len(entry.draft), matched)
         counters = self._counters
         for index, token in enumerate(accepted):
             request.output.append(token)
@@ -294,7 +301,7 @@ class Scheduler:
         verify rows cost 0.6-0.75 ms at ~1,100 tokens of context on 2 cores), and the gate
         lost 5-7% at 16 in flight on a trace with little to draft."""
         if self._gate is not None and all(e.is_decode for e in batch.entries):
-            self._gate.cost.observe(batch.num_tokens, seconds)
+            self._gate.cost.observe(batch.num_computed_rows, seconds)
 
     def _finish(self, request: Request, reason: str) -> None:
         self._release(request, keep=True)
@@ -384,6 +391,62 @@ class Scheduler:
             )
             plan.budget -= k
             self._draft_sources[request] = candidate.source
+
+    def _share_rows(self, plan: _StepPlan) -> None:
+        """Make each decoding request that follows another of this step (its tokens a prefix
+        of the other's, same sampling: ``scheduler/twins.py``) a twin of the one furthest
+        ahead: it feeds that one's tokens up to the end of its entry and is computed by it."""
+        groups: dict[tuple[object, ...], list[BatchEntry]] = {}
+        keys = self._twin_keys
+        for request, entry in plan.entries.items():
+            if not entry.is_decode:
+                continue
+            if request not in keys:
+                keys[request] = twin_key(request)
+            key = keys[request]
+            if key is not None:
+                groups.setdefault(key, []).append(entry)
+        twins: list[BatchEntry] = []
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            group.sort(key=lambda e: -len(e.request.output))
+            leaders: list[BatchEntry] = []
+            for entry in group:
+                leader = next((e for e in leaders if follows(entry.request, e.request)), None)
+                twin = None if leader is None else self._twin_entry(entry, leader, plan)
+                if twin is None:
+                    leaders.append(entry)
+                else:
+                    twins.append(twin)
+        for twin in twins:
+            plan.entries[twin.request] = twin
+            self._counters.shared_rows += len(twin.input_ids)
+
+    def _twin_entry(
+        self, entry: BatchEntry, leader: BatchEntry, plan: _StepPlan
+    ) -> BatchEntry | None:
+        """``entry`` as ``leader``'s twin: it feeds ``leader``'s tokens from its own position to
+        the end of ``leader``'s entry (draft included). None where those are more tokens than
+        the step's budget has left or its pages can cover without evicting."""
+        request = entry.request
+        ahead = leader.request
+        start = entry.start_pos
+        inputs = (ahead.prompt + ahead.output + leader.draft)[start : leader.kv_len]
+        if inputs == entry.input_ids:
+            return replace(entry, twin_of=leader)
+        extra = len(inputs) - len(entry.input_ids)
+        kv = request.kv
+        if kv is None or extra > plan.budget:
+            return None
+        if not self._kv.allocate(kv, leader.kv_len, evict=False):
+            return None
+        plan.budget -= max(0, extra)
+        p = self._page_size
+        pages = kv.pages[: _pages_for(leader.kv_len, p)]
+        slots = [pages[pos // p] * p + pos % p for pos in range(start, leader.kv_len)]
+        self._draft_sources.pop(request, None)
+        return BatchEntry(request, inputs, start, pages, slots, True, inputs[1:], leader)
 
     def _admit(self, plan: _StepPlan) -> None:
         """Admit preempted requests (strictly first), then waiting ones in policy order."""
@@ -532,6 +595,7 @@ class Scheduler:
             del self._resume_keys[index]
 
     def _retire(self, request: Request, state: RequestState, reason: str) -> None:
+        self._twin_keys.pop(request, None)
         if self._drafter is not None and self._gate is not None:
             if state is RequestState.FINISHED and self._kv.prefix_cache:
                 self._drafter.finished(request)

@@ -81,6 +81,11 @@ class EngineCollector(Collector):
                 "Speculative decoding: draft tokens accepted.",
                 c.spec_decode_num_accepted_tokens,
             ),
+            (
+                "shared_rows",
+                "Rows a request got from an identical request in flight, computed once.",
+                c.shared_rows,
+            ),
         )
         gauges = (
             (

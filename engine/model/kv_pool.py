@@ -97,6 +97,16 @@ class KVPool:
         self.k_flat(layer).index_copy_(0, slots, k.to(self.dtype))
         self.v_flat(layer).index_copy_(0, slots, v.to(self.dtype))
 
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Every layer's K/V at slots ``src`` copied to slots ``dst`` (same length)."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for layer in range(self.num_layers):
+            for flat in (self.k_flat(layer), self.v_flat(layer)):
+                flat.index_copy_(0, d, flat.index_select(0, s))
+
     # ------------------------------------------------------------------ pages as bytes
 
     @property

@@ -130,7 +130,14 @@ class ModelRunner:
         decoding would sample that request's next token after the first j draft tokens (the
         seeded noise is keyed by the token's index in the output, penalties read the output
         with those drafts), and the drafts are accepted while they equal what was sampled, so
-        greedy and seeded answers are the same with and without speculation."""
+        greedy and seeded answers are the same with and without speculation.
+
+        A twin entry (``BatchEntry.twin_of``) is not computed: its leader's K/V is copied into
+        its slots and it gets its leader's tokens, which its own rows would have been (the
+        scheduler pairs only identical requests with deterministic sampling, and only where
+        a row does not depend on its pass)."""
+        if any(e.twin_of is not None for e in batch.entries):
+            return self._step_with_twins(batch)
         logits = self.forward(batch)
         entries = batch.entries
         out = StepResult([[] for _ in entries], [[] for _ in entries])
@@ -178,4 +185,31 @@ class ModelRunner:
                 ]
         if self.grammars is not None:
             self.grammars.accept([(entries[i].request, out.tokens[i]) for i, _ in spans])
+        return out
+
+    def _step_with_twins(self, batch: Batch) -> StepResult:
+        """Computes the entries that are not twins; a twin gets its leader's K/V for its
+        positions (computed in earlier steps or in this one) and its leader's tokens: those
+        already known at its draft's start, then what the leader's rows produced now."""
+        entries, p = batch.entries, batch.page_size
+        computed = [e for e in entries if e.twin_of is None]
+        result = self.step(Batch(computed, p))
+        at = {id(e): i for i, e in enumerate(computed)}
+        src: list[int] = []
+        dst: list[int] = []
+        out = StepResult([], [])
+        for entry in entries:
+            leader = entry.twin_of
+            i = at[id(entry if leader is None else leader)]
+            if leader is None:
+                out.tokens.append(result.tokens[i])
+                out.logprobs.append(result.logprobs[i])
+                continue
+            known = entry.draft[: leader.start_pos - entry.start_pos]
+            out.tokens.append(known + result.tokens[i])
+            out.logprobs.append([])
+            src.extend(leader.pages[pos // p] * p + pos % p
+                       for pos in range(entry.start_pos, entry.kv_len))
+            dst.extend(entry.slots)
+        self.pool.copy_slots(src, dst)
         return out

@@ -93,9 +93,9 @@ class Engine:
         self._closing = threading.Lock()
 
     def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
-        """The scheduler's knobs, speculation off where the passes are not batch-invariant: a
-        verify pass then need not give the numbers plain decoding gives, and a greedy answer
-        must never depend on speculation."""
+        """The scheduler's knobs, speculation and shared rows off where the passes are not
+        batch-invariant: a verify pass or a twin's copied row then need not give the numbers
+        plain decoding gives, and a greedy answer must never depend on either."""
         scheduler = config.scheduler
         if scheduler.speculation != "off" and not self._batch_invariant:
             warnings.warn(
@@ -105,6 +105,8 @@ class Engine:
                 stacklevel=3,
             )
             scheduler = msgspec.structs.replace(scheduler, speculation="off")
+        if not self._batch_invariant:  # a shared row is exact only if rows are invariant
+            scheduler = msgspec.structs.replace(scheduler, share_rows=False)
         self._speculation = scheduler.speculation
         return scheduler
 

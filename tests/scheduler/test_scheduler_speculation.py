@@ -7,7 +7,8 @@ equal). It plays the KV pool like the scripted model: every slot holds a content
 its prefix, and every slot a request reads must hold its own tokens' address, so a rejected
 draft's K/V that reached the tree, or a page freed too early, fails the test.
 
-Pinned: outputs with speculation equal outputs without (under chunked prefill, preemption,
+Pinned: outputs with speculation (and twins sharing rows) equal outputs without (under chunked
+prefill, preemption,
 tiny pools, several namespaces), every page is accounted for at idle, the tree only ever holds
 real sequences, drafts (from the tree, the namespace's index or running peers) never cross
 namespaces, and the gate stops drafting where drafts fail.
@@ -45,10 +46,21 @@ class LoopingModel:
     def step(self, batch: Batch) -> list[list[int]]:
         p = self.page_size
         out: list[list[int]] = []
+        computed: dict[int, list[int]] = {}
         for entry in batch.entries:
             request = entry.request
             tokens = request.prompt + request.output + entry.draft
             assert entry.input_ids == tokens[entry.start_pos : entry.kv_len]
+            leader = entry.twin_of
+            if leader is not None:  # as the runner does: the leader's K/V and tokens, copied
+                lead = leader.request
+                assert tokens == lead.prompt + lead.output + leader.draft
+                assert request.namespace == lead.namespace
+                for pos, dst in zip(range(entry.start_pos, entry.kv_len), entry.slots):
+                    self.kv[dst] = self.kv[leader.pages[pos // p] * p + pos % p]
+                known = entry.draft[: leader.start_pos - entry.start_pos]
+                out.append(known + computed[id(leader)])
+                continue
             address = 0
             for pos in range(entry.kv_len):
                 address = hash((address, tokens[pos]))
@@ -67,6 +79,7 @@ class LoopingModel:
                 accepted.append(token)
                 if j == len(entry.draft) or token != entry.draft[j]:
                     break
+            computed[id(entry)] = accepted
             out.append(accepted)
         return out
 
@@ -82,6 +95,7 @@ def run(
     k: int = 8,
     stop_after: dict[Any, int] | None = None,
     max_running: int = 8,
+    share_rows: bool = True,
 ) -> tuple[dict[Any, tuple[list[int], str | None]], Scheduler]:
     kv = KVManager(num_pages, page_size)
     config = SchedulerConfig(
@@ -93,12 +107,20 @@ def run(
         reserve_ratio_init=0.0,
         reserve_ratio_min=0.0,
         reserve_margin=0.0,
+        share_rows=share_rows,
     )
     sched = Scheduler(kv, config)
-    model = LoopingModel(page_size, stop_after)
+    # The stand-in's tokens must be a function of the sequence, as a real model's are (twins
+    # get their leader's tokens): requests with one prompt in one namespace stop alike.
+    first = {}
+    for i, (prompt, namespace) in enumerate(prompts):
+        first.setdefault((tuple(prompt), namespace), i)
+    stops = {i: (stop_after or {}).get(first[(tuple(p), ns)]) for i, (p, ns) in enumerate(prompts)}
+    model = LoopingModel(page_size, {i: n for i, n in stops.items() if n is not None})
     requests = []
     for i, (prompt, namespace) in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP])
+        # Greedy: identical requests in flight together become twins (one computes).
+        params = SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP], temperature=0.0)
         request = Request(i, list(prompt), params, namespace)
         sched.add(request)
         requests.append(request)
@@ -171,7 +193,7 @@ def test_outputs_with_speculation_equal_outputs_without(
         k=k,
         stop_after=stops,
     )
-    plain, _ = run(prompts, "off", **knobs)
+    plain, _ = run(prompts, "off", **knobs, share_rows=False)
     spec, _ = run(prompts, "tree", **knobs)
     assert spec == plain
 
@@ -190,6 +212,20 @@ def test_repeats_are_drafted_and_accepted_in_fewer_steps() -> None:
     assert sum(c.spec_decode_num_accepted_tokens_per_pos) == c.spec_decode_num_accepted_tokens
     assert on.counters.steps < off.counters.steps / 2
     assert off.counters.spec_decode_num_drafts == 0
+
+
+def test_identical_requests_in_flight_share_their_rows() -> None:
+    prompt = [10, 12, 14, 11, 13]
+    prompts = [(prompt, "a"), (prompt, "a"), (prompt, "b"), ([11, 12], "a")]
+    knobs = dict(page_size=4, num_pages=100, max_batch_tokens=64, max_new=30, max_running=4)
+    for speculation in ("off", "tree"):
+        apart, separate = run(prompts, speculation, **knobs, share_rows=False)
+        together, shared = run(prompts, speculation, **knobs)
+        assert together == apart
+        assert separate.counters.shared_rows == 0
+        # Only requests 0 and 1 (same namespace, same tokens) are twins: at most one row per
+        # token the second generates after its first (which its prefill gives).
+        assert 0 < shared.counters.shared_rows <= 29 * (1 + 8)
 
 
 def _drafter_over(seq: list[int], namespace: str) -> tuple[KVManager, Drafter]:

@@ -1,0 +1,52 @@
+"""Requests whose next rows are the same rows: computed once, copied to the others.
+
+Two decoding requests of one namespace with the same prompt and the same output so far, whose
+sampling is a function of those tokens alone (greedy, or seeded with the same seed: the noise is
+keyed by the token's index in the output) and the same sampling knobs, get the same logits from
+a batch-invariant pass and so the same next tokens, and write the same K/V. That happens
+whenever identical requests are in flight together: ``n`` greedy choices, a client's retry
+while the first attempt still runs, one FAQ question from many users. All but one of their
+rows are wasted. A request whose tokens so far are a prefix of another's (it started later,
+or waited for that one's prefill to hit its prefix) becomes its twin: its entry feeds the
+other's tokens from its own position to the end of the other's entry this step
+(``BatchEntry.twin_of``), and the runner copies the other's K/V for those positions into its
+slots and gives it the other's tokens, so it catches up in one step and keeps step after. How
+each request finishes (``max_new_tokens``, stops) stays its own.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from scheduler.params import SamplingParams
+from scheduler.request import Request
+
+
+def sampling_key(params: SamplingParams) -> SamplingParams | None:
+    """What decides a request's next token besides its tokens (its finishing knobs cleared),
+    or None where its rows cannot stand for another's: unseeded sampling, log-probabilities
+    (per-request results), structured outputs (a matcher per request)."""
+    if (not params.is_greedy and params.seed is None) or params.logprobs is not None:
+        return None
+    if params.structured_outputs is not None:
+        return None
+    return msgspec.structs.replace(params, max_new_tokens=1, stop=[], stop_token_ids=[])
+
+
+def twin_key(request: Request) -> tuple[object, ...] | None:
+    """What requests that can stand for each other share: namespace, prompt (hashed; the
+    prompts are compared after) and sampling; None where the request cannot be a twin.
+    Computed once per request (its prompt and params never change)."""
+    key = sampling_key(request.params)
+    if key is None:
+        return None
+    return (request.namespace, hash(tuple(request.prompt)), msgspec.msgpack.encode(key))
+
+
+def follows(behind: Request, ahead: Request) -> bool:
+    """For two requests of one ``twin_key``: whether ``behind``'s tokens so far are a prefix
+    of ``ahead``'s, so that ``ahead``'s rows (K/V and tokens, computed already or in this
+    step) are ``behind``'s."""
+    n = len(behind.output)
+    return (n <= len(ahead.output) and ahead.output[:n] == behind.output
+            and behind.prompt == ahead.prompt)

@@ -34,19 +34,19 @@ def sampling_key(params: SamplingParams) -> SamplingParams | None:
 
 
 def twin_key(request: Request) -> tuple[object, ...] | None:
-    """What requests that can stand for each other share: namespace, prompt (hashed; the
-    prompts are compared after) and sampling; None where the request cannot be a twin.
-    Computed once per request (its prompt and params never change)."""
-    key = sampling_key(request.params)
-    if key is None:
+    """What requests that can stand for each other share, as a dict key: namespace and prompt
+    (hashed; prompts and sampling are compared by ``follows``); None where the request cannot
+    be a twin. Made once per request (its prompt and params never change)."""
+    if sampling_key(request.params) is None:
         return None
-    return (request.namespace, hash(tuple(request.prompt)), msgspec.msgpack.encode(key))
+    return (request.namespace, hash(tuple(request.prompt)))
 
 
 def follows(behind: Request, ahead: Request) -> bool:
     """For two requests of one ``twin_key``: whether ``behind``'s tokens so far are a prefix
-    of ``ahead``'s, so that ``ahead``'s rows (K/V and tokens, computed already or in this
-    step) are ``behind``'s."""
+    of ``ahead``'s and their sampling is the same, so that ``ahead``'s rows (K/V and tokens,
+    computed already or in this step) are ``behind``'s."""
     n = len(behind.output)
     return (n <= len(ahead.output) and ahead.output[:n] == behind.output
-            and behind.prompt == ahead.prompt)
+            and behind.prompt == ahead.prompt
+            and sampling_key(behind.params) == sampling_key(ahead.params))

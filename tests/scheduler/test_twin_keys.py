@@ -3,6 +3,8 @@ sampling that is a function of the tokens; finishing knobs aside."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from scheduler import Request, SamplingParams
 from scheduler.params import StructuredOutputsParams
 from scheduler.twins import follows, twin_key
@@ -14,15 +16,24 @@ def key(params: SamplingParams, namespace: str | None = None, prompt: list[int] 
     return twin_key(Request("r", list(prompt), params, namespace))
 
 
-def test_greedy_and_seeded_requests_have_keys_that_ignore_how_they_finish() -> None:
+def same_rows(a: SamplingParams, b: SamplingParams) -> bool:
+    """Whether requests with one prompt, one output and these params may be twins."""
+    first, second = Request("a", list(PROMPT), a), Request("b", list(PROMPT), b)
+    return twin_key(first) is not None and twin_key(first) == twin_key(second) and follows(
+        second, first)
+
+
+def test_greedy_and_seeded_requests_pair_whatever_their_finishing_knobs() -> None:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-    assert key(greedy) is not None
-    assert key(greedy) == key(SamplingParams(temperature=0.0, max_new_tokens=64, stop=["x"],
-                                             stop_token_ids=[3]))
+    assert same_rows(greedy, SamplingParams(temperature=0.0, max_new_tokens=64, stop=["x"],
+                                            stop_token_ids=[3]))
     seeded = SamplingParams(temperature=0.7, seed=1)
-    assert key(seeded) is not None and key(seeded) != key(greedy)
-    assert key(seeded) != key(SamplingParams(temperature=0.7, seed=2))
-    assert key(seeded) != key(SamplingParams(temperature=0.7, seed=1, top_p=0.5))
+    assert same_rows(seeded, SamplingParams(temperature=0.7, seed=np.int64(1)))
+    assert not same_rows(seeded, greedy)
+    assert not same_rows(seeded, SamplingParams(temperature=0.7, seed=2))
+    assert not same_rows(seeded, SamplingParams(temperature=0.7, seed=1, top_p=0.5))
+    # Params may hold numpy integers (accepted wherever ints are): still a key.
+    assert key(SamplingParams(temperature=0.0, logit_bias={np.uint32(5): 1.0})) is not None
 
 
 def test_no_key_where_rows_cannot_stand_for_another_request() -> None:

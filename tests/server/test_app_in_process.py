@@ -125,3 +125,16 @@ def test_speculative_decoding_metrics_use_vllms_names(loaded_fp32: Any) -> None:
         assert accepted == c.spec_decode_num_accepted_tokens > 0
         # The per-position family sums (over its position label) to the accepted tokens.
         assert seen["radixkv:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
+
+
+def test_n_greedy_choices_share_their_rows_and_the_metric_counts_them(loaded_fp32: Any) -> None:
+    engine = Engine(model=loaded_fp32, num_pages=64)
+    body = {"model": "m", "messages": [{"role": "user", "content": QUESTIONS[2]}],
+            "n": 3, "temperature": 0, "max_tokens": 16}
+    with engine, TestClient(create_app(engine, ServerConfig(model_name="m"))) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200
+        texts = [c["message"]["content"] for c in reply.json()["choices"]]
+        assert len(texts) == 3 and len(set(texts)) == 1
+        shared = counters(client)["radixkv:shared_rows_total"]
+        assert shared == engine.stats().counters.shared_rows > 0

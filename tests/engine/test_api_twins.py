@@ -2,7 +2,8 @@
 the runner copies the leader's K/V into the twin's slots and gives it the leader's tokens.
 Pinned on the real model: every answer is the answer the request gets alone (greedy with
 different lengths, seeded with one seed, with and without speculation, cache on and off),
-a twin whose leader ends or is aborted goes on alone from the copied K/V, nothing is shared
+a twin whose leader ends or is aborted goes on alone from the copied K/V, twins keep their
+answers through preemption, nothing is shared
 where sampling is not a function of the tokens or across namespaces, and every page is
 accounted for at idle."""
 
@@ -86,3 +87,16 @@ def test_rows_are_not_shared_where_passes_are_not_batch_invariant(make_engine: A
     eng = make_engine(page_size=16, num_pages=256, batch_invariant=False)
     eng.generate([QUESTION, QUESTION], greedy(12))
     assert shared_rows(eng) == 0
+
+
+def test_twins_keep_their_answers_through_preemption(engine: Engine, make_engine: Any) -> None:
+    # 56 pages of 4 tokens, no decode reserve: the scheduler over-admits and preempts.
+    prompts = [QUESTION, OTHER, QUESTION, OTHER]
+    params = greedy(64, ignore_eos=True)  # every answer its full length: the pages run out
+    plain = [engine.generate([p], params)[0].token_ids for p in prompts]
+    eng = make_engine(page_size=4, num_pages=56, max_batch_tokens=48, max_running=8,
+                      reserve_ratio_init=0.0, reserve_ratio_min=0.0, reserve_margin=0.0)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == plain
+    c = eng.stats().counters
+    assert c.preemptions > 0 and c.shared_rows > 0
+    assert_idle_accounting(eng)

@@ -3,9 +3,8 @@ the runner copies the leader's K/V into the twin's slots and gives it the leader
 Pinned on the real model: every answer is the answer the request gets alone (greedy with
 different lengths, seeded with one seed, with and without speculation, cache on and off),
 a twin whose leader ends or is aborted goes on alone from the copied K/V, twins keep their
-answers through preemption, nothing is shared
-where sampling is not a function of the tokens or across namespaces, and every page is
-accounted for at idle."""
+answers through preemption, nothing is shared where sampling is not a function of the tokens
+or across namespaces, and every page is accounted for at idle."""
 
 from __future__ import annotations
 

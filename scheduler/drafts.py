@@ -191,17 +191,21 @@ class Drafter:
     ) -> list[tuple[list[int], DraftSource | None]]:
         """``propose`` for each (request, max tokens), every request indexed first: a peer's
         token sampled in the last step is already there to draft from."""
-        for request, max_tokens in wants:
-            if max_tokens > 0:
-                self.sync(request)
-        return [self.propose(request, max_tokens) for request, max_tokens in wants]
+        contexts = [self.sync(request) if n > 0 else None for request, n in wants]
+        return [([], None) if context is None else self._lookup(request, context, n)
+                for (request, n), context in zip(wants, contexts)]
 
     def propose(self, request: Request, max_tokens: int) -> tuple[list[int], DraftSource | None]:
         """Up to ``max_tokens`` guesses of what ``request`` (decoding: its last token is
         sampled, its K/V not yet computed) generates next, and where they came from."""
         if max_tokens <= 0:
             return [], None
-        context = self.sync(request)
+        return self._lookup(request, self.sync(request), max_tokens)
+
+    def _lookup(
+        self, request: Request, context: ContextIndex, max_tokens: int
+    ) -> tuple[list[int], DraftSource | None]:
+        """The sources in order, for a request whose context is indexed."""
         handle = request.kv
         if handle is not None and self._kv.prefix_cache:
             after = context.tokens[handle.cached_len :]

@@ -430,11 +430,13 @@ class Scheduler:
         the end of ``leader``'s entry (draft included). None where those are more tokens than
         the step's budget has left or its pages can cover without evicting."""
         request = entry.request
-        ahead = leader.request
         start = entry.start_pos
-        inputs = (ahead.prompt + ahead.output + leader.draft)[start : leader.kv_len]
-        if inputs == entry.input_ids:
+        if start == leader.start_pos and entry.input_ids == leader.input_ids:
             return replace(entry, twin_of=leader)
+        # Decoding, so ``start`` is past the prompt: the tokens come from the leader's output.
+        ahead = leader.request
+        base = len(ahead.prompt)
+        inputs = (ahead.output + leader.draft)[start - base : leader.kv_len - base]
         extra = len(inputs) - len(entry.input_ids)
         kv = request.kv
         if kv is None or extra > plan.budget:

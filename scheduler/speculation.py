@@ -5,9 +5,10 @@ accepted buys more tokens per second than the step already makes. Both sides are
 this machine and this traffic, never assumed:
 
 - ``StepCost``: a forward pass's seconds as ``a + b * tokens``, fitted to the passes the loop
-  timed that held only decodes and verifies (every row computes logits, as a draft row does). On a CPU, where a step streams the weights, ``b`` is a small part
-  of ``a`` and drafts are cheap at batch 1; as the batch grows the pass turns compute-bound,
-  ``b`` dominates and the gate stops drafting.
+  timed that held only decodes and verifies (every row computes logits, as a draft row does).
+  On a CPU, where a step streams the weights, ``b`` is a small part of ``a`` and drafts are
+  cheap at batch 1; as the batch grows the pass turns compute-bound, ``b`` dominates and the
+  gate stops drafting.
 - ``Acceptance``: per request and draft source, the chance a draft token is accepted given the
   ones before it were (successes over trials, older outcomes decayed, starting from a prior per
   source); while its drafts go unused it drifts back to the prior, so a request that starts

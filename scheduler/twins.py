@@ -46,7 +46,11 @@ def follows(behind: Request, ahead: Request) -> bool:
     """For two requests of one ``twin_key``: whether ``behind``'s tokens so far are a prefix
     of ``ahead``'s and their sampling is the same, so that ``ahead``'s rows (K/V and tokens,
     computed already or in this step) are ``behind``'s."""
-    n = len(behind.output)
-    return (n <= len(ahead.output) and ahead.output[:n] == behind.output
-            and behind.prompt == ahead.prompt
-            and sampling_key(behind.params) == sampling_key(ahead.params))
+    n, m = len(behind.output), len(ahead.output)
+    if n > m or behind.prompt != ahead.prompt:
+        return False
+    # In step (the usual case) the outputs compare whole; only a request behind slices.
+    if behind.output != (ahead.output if n == m else ahead.output[:n]):
+        return False
+    a, b = behind.params, ahead.params  # n choices share one params object: no key made
+    return a is b or a == b or sampling_key(a) == sampling_key(b)

@@ -69,13 +69,23 @@ class OursCase:
 
         return run
 
+    def _filled(
+        self, contexts: list[list[int]], extra: int
+    ) -> tuple[list[Request], list[list[int]]]:
+        """Requests over ``contexts`` with their K/V in the pool (untimed) and page tables with
+        room for ``extra`` more tokens each."""
+        ps = self.ps
+        per_req = -(-(len(contexts[0]) + extra) // ps)
+        reqs = [Request(i, c, SamplingParams(max_new_tokens=max(1, extra)))
+                for i, c in enumerate(contexts)]
+        tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(reqs))]
+        for r, t in zip(reqs, tables):
+            self.runner.forward(Batch([BatchEntry.on_pages(r, r.prompt, 0, t, ps)], ps))
+        return reqs, tables
+
     def decode(self, contexts: list[list[int]], steps: int) -> Callable[[], None]:
         ps = self.ps
-        per_req = -(-(len(contexts[0]) + steps) // ps)
-        reqs = [Request(i, c, SamplingParams(max_new_tokens=steps)) for i, c in enumerate(contexts)]
-        tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(reqs))]
-        for r, t in zip(reqs, tables):  # untimed: fill the pool with each context
-            self.runner.forward(Batch([BatchEntry.on_pages(r, r.prompt, 0, t, ps)], ps))
+        reqs, tables = self._filled(contexts, steps)
 
         def run() -> None:
             for r in reqs:
@@ -87,16 +97,12 @@ class OursCase:
 
         return run
 
-
     def verify(self, contexts: list[list[int]], rows: int) -> Callable[[], None]:
         """One pass in which each request feeds ``rows`` tokens after its context: a decode
         (1 row) or a speculative verify (the last token and ``rows - 1`` drafts)."""
         ps = self.ps
-        per_req = -(-(len(contexts[0]) + rows) // ps)
-        reqs = [Request(i, c, SamplingParams()) for i, c in enumerate(contexts)]
-        tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(reqs))]
-        for r, t in zip(reqs, tables):  # untimed: fill the pool with each context
-            self.runner.forward(Batch([BatchEntry.on_pages(r, r.prompt, 0, t, ps)], ps))
+        reqs, tables = self._filled(contexts, rows)
+        for r in reqs:
             r.output = [0]
         entries = [BatchEntry.on_pages(r, [7] * rows, len(r.prompt), t, ps)
                    for r, t in zip(reqs, tables)]

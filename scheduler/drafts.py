@@ -12,6 +12,9 @@ No draft model: a decoding request's next tokens are guessed from
    different preamble), indexed from the manager's ``PagesStored`` events (and the partial last
    page of each finished request, which the tree does not keep), bounded.
 
+Sources 2-4 match the sequence's last 1 to 4 tokens; the draft read after the longest match
+wins (ties: the order above), and the match length goes with it, since the gate learns how often
+each length is right (a 4-token match is accepted about twice as often as a 1-token one).
 A guess costs nothing to make and is checked by the model in the verify pass; only the tokens
 the model would have picked anyway are kept. Nothing here crosses a namespace.
 """
@@ -22,14 +25,19 @@ import enum
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import msgspec
+
 from radix import KVEvent, KVManager, PagesStored
 from scheduler.request import Request
 
-# n-gram lengths tried on the request's own context, longest first.
-CONTEXT_NGRAMS = (4, 2)
-# n-gram length of the namespace index, and how many n-grams it keeps (LRU).
-TREE_NGRAM = 4
-TREE_INDEX_CAPACITY = 1 << 16
+# n-gram lengths tried on the request's own context and in the namespace index, longest first.
+CONTEXT_NGRAMS = (4, 3, 2, 1)
+NAMESPACE_NGRAMS = (4, 3, 2, 1)
+LONGEST_NGRAM = 4
+# n-gram length of the running peers' index.
+PEER_NGRAM = 4
+# How many n-grams the namespace index keeps (LRU; about 250 bytes each).
+NAMESPACE_INDEX_CAPACITY = 1 << 17
 
 
 class DraftSource(enum.Enum):
@@ -37,6 +45,18 @@ class DraftSource(enum.Enum):
     CONTEXT = "context"  # an n-gram of the request's own tokens
     PEER = "peer"  # an n-gram of what a running request of the namespace generated
     NAMESPACE = "namespace"  # an n-gram of the namespace's cached sequences
+
+
+class Draft(msgspec.Struct):
+    """Proposed next tokens, where they were read, and how many of the sequence's last tokens
+    matched there (the tree's continuation matches the whole sequence)."""
+
+    tokens: list[int]
+    source: DraftSource | None = None
+    match: int = 0
+
+
+NO_DRAFT = Draft([])
 
 
 class ContextIndex:
@@ -67,20 +87,21 @@ class ContextIndex:
                 last[tuple(tokens[cont - n : cont])] = cont
         self._indexed = max(self._indexed, end)
 
-    def lookup(self, max_tokens: int) -> list[int]:
-        """The tokens after the last earlier occurrence of the latest n-gram (longest first)."""
+    def lookup(self, max_tokens: int) -> tuple[list[int], int]:
+        """The tokens after the last earlier occurrence of the latest n-gram, longest n first,
+        and that n (0: no n-gram occurred before)."""
         tokens = self.tokens
         for n, last in self._last.items():
             if len(tokens) <= n:
                 continue
             found = last.get(tuple(tokens[-n:]))
             if found is not None:
-                return tokens[found : found + max_tokens]
-        return []
+                return tokens[found : found + max_tokens], n
+        return [], 0
 
 
 class PeerIndex:
-    """Where each ``TREE_NGRAM``-gram of the running requests' generated tokens first occurred,
+    """Where each ``PEER_NGRAM``-gram of the running requests' generated tokens first occurred,
     per namespace (the first writer is the request furthest ahead in that phrase, so its
     continuation is the longest). Values point into the requests' ``ContextIndex`` tokens, which
     only grow; a request's entries go when it ends, so the index holds what is running."""
@@ -96,7 +117,7 @@ class PeerIndex:
     def add(self, namespace: str | None, context: ContextIndex, prompt_len: int) -> None:
         """Take in ``context``'s tokens since the last call: entries whose continuation starts
         in its output (a prompt is in the tree already, or private to its request)."""
-        n, tokens, first = TREE_NGRAM, context.tokens, self._first
+        n, tokens, first = PEER_NGRAM, context.tokens, self._first
         low = max(n, prompt_len)
         _, low, high = self._indexed.get(context, (namespace, low, low))
         # As in ContextIndex, the n-gram ending at the last token is a query, not an entry.
@@ -107,9 +128,9 @@ class PeerIndex:
     def lookup(self, namespace: str | None, context: ContextIndex, max_tokens: int) -> list[int]:
         """What a peer generated after ``context``'s latest n-gram."""
         tokens = context.tokens
-        if len(tokens) < TREE_NGRAM:
+        if len(tokens) < PEER_NGRAM:
             return []
-        found = self._first.get((namespace, tuple(tokens[-TREE_NGRAM:])))
+        found = self._first.get((namespace, tuple(tokens[-PEER_NGRAM:])))
         if found is None or found[0] is context:
             return []
         peer, cont = found
@@ -121,7 +142,7 @@ class PeerIndex:
         if indexed is None:
             return
         namespace, low, high = indexed
-        n, tokens, first = TREE_NGRAM, context.tokens, self._first
+        n, tokens, first = PEER_NGRAM, context.tokens, self._first
         for cont in range(low, high):
             key = (namespace, tuple(tokens[cont - n : cont]))
             found = first.get(key)
@@ -130,11 +151,12 @@ class PeerIndex:
 
 
 class NamespaceIndex:
-    """The latest continuation of each ``TREE_NGRAM``-gram stored in the tree, per namespace;
-    at most ``capacity`` n-grams (least recently stored dropped first). Entries outlive their
-    pages' eviction: a draft is only a guess, and a stale one costs a rejected row."""
+    """The latest continuation of each n-gram (``NAMESPACE_NGRAMS`` long) stored in the tree,
+    per namespace; at most ``capacity`` n-grams (least recently stored dropped first). Entries
+    outlive their pages' eviction: a draft is only a guess, and a stale one costs a rejected
+    row."""
 
-    def __init__(self, max_tokens: int, capacity: int = TREE_INDEX_CAPACITY) -> None:
+    def __init__(self, max_tokens: int, capacity: int = NAMESPACE_INDEX_CAPACITY) -> None:
         self._max_tokens = max_tokens
         self._capacity = capacity
         self._next: OrderedDict[tuple[str | None, tuple[int, ...]], tuple[int, ...]] = (
@@ -149,25 +171,60 @@ class NamespaceIndex:
             self.add(event.namespace, event.tokens)
 
     def add(self, namespace: str | None, tokens: Sequence[int]) -> None:
-        n, k = TREE_NGRAM, self._max_tokens
+        k = self._max_tokens
         entries = self._next
         tokens = list(tokens)
-        for start in range(len(tokens) - n):
-            key = (namespace, tuple(tokens[start : start + n]))
-            entries[key] = tuple(tokens[start + n : start + n + k])
-            entries.move_to_end(key)
+        for cont in range(1, len(tokens)):
+            after = tuple(tokens[cont : cont + k])  # one tuple for every n ending here
+            for n in NAMESPACE_NGRAMS:
+                if n <= cont:
+                    key = (namespace, tuple(tokens[cont - n : cont]))
+                    entries[key] = after
+                    entries.move_to_end(key)
         while len(entries) > self._capacity:
             entries.popitem(last=False)
 
-    def lookup(self, namespace: str | None, tokens: Sequence[int], max_tokens: int) -> list[int]:
-        if len(tokens) < TREE_NGRAM:
-            return []
-        found = self._next.get((namespace, tuple(tokens[-TREE_NGRAM:])))
-        return list(found[:max_tokens]) if found else []
+    def lookup(
+        self, namespace: str | None, tokens: Sequence[int], max_tokens: int, longer_than: int = 0
+    ) -> tuple[list[int], int]:
+        """The latest continuation of ``tokens``' longest indexed last n-gram with n over
+        ``longer_than``, and that n (0: none)."""
+        entries = self._next
+        for n in NAMESPACE_NGRAMS:
+            if n <= longer_than:
+                break
+            if len(tokens) < n:
+                continue
+            found = entries.get((namespace, tuple(tokens[-n:])))
+            if found:
+                return list(found[:max_tokens]), n
+        return [], 0
+
+
+def best_draft(
+    tree: list[int], context: ContextIndex, peers: PeerIndex, namespaces: NamespaceIndex,
+    namespace: str | None, max_tokens: int,
+) -> Draft:
+    """The draft read after the longest match of ``context``'s last tokens: ``tree`` (the
+    tree's continuation of the whole sequence) if any, else the longest n-gram match in the
+    request's own tokens, its running peers' and its namespace's (ties in that order)."""
+    if tree:
+        return Draft(tree, DraftSource.TREE, len(context.tokens))
+    own, n = context.lookup(max_tokens)
+    best = Draft(own, DraftSource.CONTEXT, n) if own else NO_DRAFT
+    if best.match < PEER_NGRAM:
+        peer = peers.lookup(namespace, context, max_tokens)
+        if peer:
+            best = Draft(peer, DraftSource.PEER, PEER_NGRAM)
+    if best.match < LONGEST_NGRAM:
+        cached, n = namespaces.lookup(namespace, context.tokens, max_tokens, best.match)
+        if cached:
+            best = Draft(cached, DraftSource.NAMESPACE, n)
+    return best
 
 
 class Drafter:
-    """Proposes draft tokens for decoding requests from the four sources above, best first."""
+    """Proposes draft tokens for decoding requests from the four sources above."""
 
     def __init__(self, kv: KVManager, max_tokens: int) -> None:
         self._kv = kv
@@ -186,49 +243,36 @@ class Drafter:
         self.peers.add(request.namespace, context, len(request.prompt))
         return context
 
-    def propose_all(
-        self, wants: Sequence[tuple[Request, int]]
-    ) -> list[tuple[list[int], DraftSource | None]]:
+    def propose_all(self, wants: Sequence[tuple[Request, int]]) -> list[Draft]:
         """``propose`` for each (request, max tokens), every request indexed first: a peer's
         token sampled in the last step is already there to draft from."""
         contexts = [self.sync(request) if n > 0 else None for request, n in wants]
-        return [([], None) if context is None else self._lookup(request, context, n)
+        return [NO_DRAFT if context is None else self._lookup(request, context, n)
                 for (request, n), context in zip(wants, contexts)]
 
-    def propose(self, request: Request, max_tokens: int) -> tuple[list[int], DraftSource | None]:
+    def propose(self, request: Request, max_tokens: int) -> Draft:
         """Up to ``max_tokens`` guesses of what ``request`` (decoding: its last token is
-        sampled, its K/V not yet computed) generates next, and where they came from."""
+        sampled, its K/V not yet computed) generates next."""
         if max_tokens <= 0:
-            return [], None
+            return NO_DRAFT
         return self._lookup(request, self.sync(request), max_tokens)
 
-    def _lookup(
-        self, request: Request, context: ContextIndex, max_tokens: int
-    ) -> tuple[list[int], DraftSource | None]:
-        """The sources in order, for a request whose context is indexed."""
+    def _lookup(self, request: Request, context: ContextIndex, max_tokens: int) -> Draft:
+        """The sources, for a request whose context is indexed."""
         handle = request.kv
+        tree: list[int] = []
         if handle is not None and self._kv.prefix_cache:
             after = context.tokens[handle.cached_len :]
-            draft = self._kv.continuation(handle, after, max_tokens)
-            if draft:
-                return draft, DraftSource.TREE
-        draft = context.lookup(max_tokens)
-        if draft:
-            return draft, DraftSource.CONTEXT
-        draft = self.peers.lookup(request.namespace, context, max_tokens)
-        if draft:
-            return draft, DraftSource.PEER
-        draft = self.namespaces.lookup(request.namespace, context.tokens, max_tokens)
-        if draft:
-            return draft, DraftSource.NAMESPACE
-        return [], None
+            tree = self._kv.continuation(handle, after, max_tokens)
+        return best_draft(tree, context, self.peers, self.namespaces, request.namespace,
+                          max_tokens)
 
     def finished(self, request: Request) -> None:
         """The request finished: the tree keeps only its whole pages, so the index also learns
         the tail after the last one (what a regeneration of a short answer needs)."""
         tokens = request.all_tokens
         page_size = self._kv.page_size
-        start = max(0, len(tokens) - len(tokens) % page_size - TREE_NGRAM)
+        start = max(0, len(tokens) - len(tokens) % page_size - LONGEST_NGRAM)
         self.namespaces.add(request.namespace, tokens[start:])
         self.forget(request)
 

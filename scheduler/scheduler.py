@@ -22,7 +22,7 @@ from radix import KVManager
 from scheduler.batch import Batch, BatchEntry
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
-from scheduler.drafts import Drafter, DraftSource
+from scheduler.drafts import Draft, Drafter
 from scheduler.grouping import PrefillClaims
 from scheduler.matching import MatchIndex, matchable_length, root_anchor
 from scheduler.params import SamplingParams
@@ -73,7 +73,7 @@ class Scheduler:
         # Speculative decoding (None: off): what to guess, how much of it to verify.
         self._drafter: Drafter | None = None
         self._gate: SpeculationGate | None = None
-        self._draft_sources: dict[Request, DraftSource] = {}
+        self._verifying: dict[Request, Draft] = {}  # the draft each request verifies
         # Each decoding request's twin key (scheduler/twins.py), made once.
         self._twin_keys: dict[Request, tuple[object, ...] | None] = {}
         self._accepted_per_pos = [0] * config.num_speculative_tokens
@@ -289,9 +289,9 @@ class Scheduler:
         counters.spec_decode_num_accepted_tokens += accepted
         for position in range(accepted):
             self._accepted_per_pos[position] += 1
-        source = self._draft_sources.pop(request, None)
-        if self._gate is not None and source is not None:
-            self._gate.record(request, source, drafted, accepted)
+        draft = self._verifying.pop(request, None)
+        if self._gate is not None and draft is not None:
+            self._gate.record(request, draft, drafted, accepted)
 
     def observe_step(self, batch: Batch, seconds: float) -> None:
         """The forward pass (and sampling) of ``batch`` took ``seconds``: what the speculation
@@ -368,9 +368,9 @@ class Scheduler:
         cap = self._config.num_speculative_tokens
         wants = [(request, min(cap, request.max_new_tokens - len(request.output) - 1))
                  for request, entry in plan.entries.items() if entry.is_decode]
-        candidates = [Candidate(request, draft, source)
-                      for (request, _), (draft, source) in zip(wants, drafter.propose_all(wants))
-                      if draft and source is not None]
+        candidates = [Candidate(request, draft)
+                      for (request, _), draft in zip(wants, drafter.propose_all(wants))
+                      if draft.tokens]
         if not candidates:
             return
         granted = gate.grant(candidates, tokens, sampled, plan.budget)
@@ -381,7 +381,7 @@ class Scheduler:
             kv = request.kv
             if k == 0 or kv is None or not self._kv.allocate(kv, entry.kv_len + k, evict=False):
                 continue
-            draft = candidate.draft[:k]
+            draft = candidate.draft.tokens[:k]
             start = entry.start_pos
             end = start + 1 + k
             pages = kv.pages[: _pages_for(end, p)]
@@ -390,7 +390,7 @@ class Scheduler:
                 request, entry.input_ids + draft, start, pages, slots, True, draft
             )
             plan.budget -= k
-            self._draft_sources[request] = candidate.source
+            self._verifying[request] = candidate.draft
 
     def _share_rows(self, plan: _StepPlan) -> None:
         """Make each decoding request that follows another of this step (its tokens a prefix
@@ -447,7 +447,7 @@ class Scheduler:
         p = self._page_size
         pages = kv.pages[: _pages_for(leader.kv_len, p)]
         slots = [pages[pos // p] * p + pos % p for pos in range(start, leader.kv_len)]
-        self._draft_sources.pop(request, None)
+        self._verifying.pop(request, None)
         return BatchEntry(request, inputs, start, pages, slots, True, inputs[1:], leader)
 
     def _admit(self, plan: _StepPlan) -> None:
@@ -604,7 +604,7 @@ class Scheduler:
             else:
                 self._drafter.forget(request)
             self._gate.forget(request)
-            self._draft_sources.pop(request, None)
+            self._verifying.pop(request, None)
         request.state = state
         request.finish_reason = reason
         request.finish_time = time.monotonic()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from scheduler import Request, SamplingParams
-from scheduler.drafts import TREE_NGRAM, ContextIndex, PeerIndex
+from scheduler.drafts import PEER_NGRAM, ContextIndex, PeerIndex
 
 token_st = st.integers(0, 3)  # a small alphabet: n-grams recur across requests
 
@@ -65,12 +65,12 @@ class PeerIndexMachine(RuleBasedStateMachine):
         draft = self.index.lookup(request.namespace, context, k)
         if not draft:
             return
-        query = context.tokens[-TREE_NGRAM:]
+        query = context.tokens[-PEER_NGRAM:]
         assert any(
             peer is not context and other.namespace == request.namespace
-            and any(peer.tokens[c - TREE_NGRAM : c] == query
+            and any(peer.tokens[c - PEER_NGRAM : c] == query
                     and peer.tokens[c : c + k] == draft
-                    for c in range(max(TREE_NGRAM, len(other.prompt)), len(peer.tokens)))
+                    for c in range(max(PEER_NGRAM, len(other.prompt)), len(peer.tokens)))
             for peer, other in self.live.items()
         ), "a draft that no running peer of the namespace generated"
 
@@ -80,15 +80,15 @@ class PeerIndexMachine(RuleBasedStateMachine):
             request = self.live.get(context)
             assert request is not None, "an ended request's entry"
             assert request.namespace == namespace
-            assert cont >= len(request.prompt) and tuple(context.tokens[cont - TREE_NGRAM : cont]) == key
+            assert cont >= len(request.prompt) and tuple(context.tokens[cont - PEER_NGRAM : cont]) == key
 
     @invariant()
     def every_output_ngram_is_entered_while_nothing_ended(self) -> None:
         if self.ended_any:
             return
         for context, request in self.live.items():
-            for cont in range(max(TREE_NGRAM, len(request.prompt)), len(context.tokens)):
-                key = (request.namespace, tuple(context.tokens[cont - TREE_NGRAM : cont]))
+            for cont in range(max(PEER_NGRAM, len(request.prompt)), len(context.tokens)):
+                key = (request.namespace, tuple(context.tokens[cont - PEER_NGRAM : cont]))
                 assert key in self.index._first
 
 

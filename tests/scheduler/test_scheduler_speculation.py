@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from radix import KVManager
 from scheduler import Batch, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.drafts import ContextIndex, Drafter, DraftSource
+from scheduler.drafts import ContextIndex, Draft, Drafter, DraftSource
 from scheduler.speculation import Candidate, SpeculationGate
 
 ALPHABET = 7
@@ -207,7 +207,9 @@ def test_repeats_are_drafted_and_accepted_in_fewer_steps() -> None:
     assert spec == plain
     c = on.counters
     assert c.spec_decode_num_drafts > 0
-    assert c.spec_decode_num_accepted_tokens > 0.8 * c.spec_decode_num_draft_tokens
+    # The repeats follow the tree whole; the first answer's 1- and 2-token context matches
+    # guess a rule of 3 tokens and are often wrong (trying them still pays at batch 1).
+    assert c.spec_decode_num_accepted_tokens > 0.6 * c.spec_decode_num_draft_tokens
     assert c.spec_decode_num_accepted_tokens_per_pos[0] >= c.spec_decode_num_accepted_tokens_per_pos[-1]
     assert sum(c.spec_decode_num_accepted_tokens_per_pos) == c.spec_decode_num_accepted_tokens
     assert on.counters.steps < off.counters.steps / 2
@@ -247,12 +249,13 @@ def test_tree_continuation_is_read_only_within_the_namespace() -> None:
         request = Request(namespace or "none", seq[:8], SamplingParams(max_new_tokens=16), namespace)
         request.output = seq[8:10]
         request.kv = kv.acquire(seq[:8], namespace)
-        draft, source = drafter.propose(request, 5)
+        draft = drafter.propose(request, 5)
         kv.release(request.kv)
         if expected is None:
-            assert source is not DraftSource.TREE and source is not DraftSource.NAMESPACE
+            assert draft.source is not DraftSource.TREE
+            assert draft.source is not DraftSource.NAMESPACE
         else:
-            assert source is expected and draft == seq[10:15]
+            assert draft.source is expected and draft.tokens == seq[10:15]
     assert [(p.page, p.key) for p in kv.tree.walk_pages()] == before
 
 
@@ -264,12 +267,12 @@ def test_namespace_index_drafts_only_within_its_namespace() -> None:
         # A different start, then an n-gram of the cached sequence: no exact prefix to follow.
         request = Request(namespace, [1, 2, 3] + seq[5:12], SamplingParams(max_new_tokens=8), namespace)
         request.kv = kv.acquire(request.prompt, namespace)
-        draft, source = drafter.propose(request, 4)
+        draft = drafter.propose(request, 4)
         kv.release(request.kv)
         if namespace == "a":
-            assert source is DraftSource.NAMESPACE and draft == seq[12:16]
+            assert draft == Draft(seq[12:16], DraftSource.NAMESPACE, 4)
         else:
-            assert source is None and draft == []
+            assert draft.source is None and draft.tokens == []
 
 
 def test_a_running_request_drafts_what_a_running_peer_of_its_namespace_generated() -> None:
@@ -282,17 +285,17 @@ def test_a_running_request_drafts_what_a_running_peer_of_its_namespace_generated
     for name, namespace in (("behind", "a"), ("stranger", "b")):
         request = Request(name, [4, 5], SamplingParams(max_new_tokens=32), namespace)
         request.output = [8, *phrase]
-        draft, source = drafter.propose(request, 5)
+        draft = drafter.propose(request, 5)
         if namespace == "a":
-            assert source is DraftSource.PEER and draft == [60, 61, 62]
+            assert draft == Draft([60, 61, 62], DraftSource.PEER, 4)
         else:
-            assert source is None and draft == []
+            assert draft.source is None and draft.tokens == []
         drafter.forget(request)
     drafter.forget(ahead)  # it ended: its answer reaches the drafts through the tree now
     assert len(drafter.peers) == 0
     behind = Request("again", [4, 5], SamplingParams(max_new_tokens=32), "a")
     behind.output = [8, *phrase]
-    assert drafter.propose(behind, 5) == ([], None)
+    assert drafter.propose(behind, 5) == Draft([])
 
 
 @settings(max_examples=100, deadline=None)
@@ -309,14 +312,14 @@ def test_context_index_finds_the_latest_earlier_ngram(tokens: list[int], split: 
         request.output = tokens[len(request.prompt) : len(request.prompt) + grow]
         index.sync(request)
     assert index.tokens == tokens
-    expected: list[int] = []
-    for n in (4, 2):
+    expected: tuple[list[int], int] = ([], 0)
+    for n in (4, 3, 2, 1):
         if len(tokens) <= n:
             continue
         query = tokens[-n:]
         starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == query]
         if starts:
-            expected = tokens[starts[-1] + n : starts[-1] + n + k]
+            expected = (tokens[starts[-1] + n : starts[-1] + n + k], n)
             break
     assert index.lookup(k) == expected
 
@@ -337,10 +340,11 @@ def test_gate_fits_the_step_cost() -> None:
 def test_gate_stops_drafting_when_drafts_are_rejected_and_retries_later() -> None:
     gate = _fitted_gate(0.006, 0.0009)
     request = Request("r", [1], SamplingParams())
-    offer = [Candidate(request, [5, 6, 7, 8], DraftSource.CONTEXT)]
+    draft = Draft([5, 6, 7, 8], DraftSource.CONTEXT, 4)
+    offer = [Candidate(request, draft)]
     assert gate.grant(offer, 1, 1, 100)[0] > 0  # the prior: worth trying at batch 1
     for _ in range(6):
-        gate.record(request, DraftSource.CONTEXT, 1, 0)
+        gate.record(request, draft, 1, 0)
     assert gate.grant(offer, 1, 1, 100) == [0]
     # Unused offers pull the estimate back to the prior: the request is tried again.
     for _ in range(200):
@@ -353,17 +357,18 @@ def test_gate_stops_drafting_when_drafts_are_rejected_and_retries_later() -> Non
 def test_gate_grants_nothing_to_a_compute_bound_batch() -> None:
     gate = _fitted_gate(0.001, 0.002)  # each token costs twice a pass's fixed part
     requests = [Request(i, [1], SamplingParams()) for i in range(32)]
-    offers = [Candidate(r, [5, 6, 7], DraftSource.CONTEXT) for r in requests]
+    offers = [Candidate(r, Draft([5, 6, 7], DraftSource.CONTEXT, 4)) for r in requests]
     assert gate.grant(offers, 32, 32, 1000) == [0] * 32
     # A weight-bound pass (the fixed part dominates) takes exact repeats whole.
     cheap = _fitted_gate(0.006, 0.0001)
-    assert cheap.grant([Candidate(requests[0], [5, 6, 7], DraftSource.TREE)], 1, 1, 100) == [3]
+    exact = Draft([5, 6, 7], DraftSource.TREE, 20)
+    assert cheap.grant([Candidate(requests[0], exact)], 1, 1, 100) == [3]
 
 
 def test_gate_respects_the_token_budget() -> None:
     gate = _fitted_gate(0.006, 0.0001)
     requests = [Request(i, [1], SamplingParams()) for i in range(3)]
-    offers = [Candidate(r, [5] * 8, DraftSource.TREE) for r in requests]
+    offers = [Candidate(r, Draft([5] * 8, DraftSource.TREE, 20)) for r in requests]
     assert sum(gate.grant(offers, 3, 3, 5)) == 5
 
 

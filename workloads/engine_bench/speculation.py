@@ -129,13 +129,13 @@ def build_traces(count: int) -> dict[str, list[list[dict[str, str]]]]:
 def draft_ceiling(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int,
                   concurrency: int = 1) -> float:
     """Tokens per decode pass if every pass verified ``k`` draft tokens for free, drafting as
-    the engine does (a finished sequence this one follows exactly, then the request's own
-    n-grams, then what its running peers generated, then the finished sequences' n-grams; one
-    namespace), with ``concurrency`` requests in flight in send order, each decoding one pass
+    the engine does (a finished sequence this one follows exactly, else the longest n-gram match
+    in the request's own tokens, what its running peers generated and the finished sequences;
+    one namespace), with ``concurrency`` requests in flight in send order, each decoding one pass
     per step: how far the drafts can carry a trace's answers at best, before any row is paid
     for."""
     from scheduler import Request, SamplingParams
-    from scheduler.drafts import ContextIndex, NamespaceIndex, PeerIndex
+    from scheduler.drafts import ContextIndex, NamespaceIndex, PeerIndex, best_draft
 
     finished: list[list[int]] = []
     index, peers = NamespaceIndex(k), PeerIndex()
@@ -158,9 +158,8 @@ def draft_ceiling(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: i
                 seq = context.tokens
                 n = len(seq)
                 follows = next((e[n : n + k] for e in reversed(finished)
-                                if len(e) > n and e[:n] == seq), None)
-                draft = (follows or context.lookup(k) or peers.lookup(None, context, k)
-                         or index.lookup(None, seq, k))
+                                if len(e) > n and e[:n] == seq), [])
+                draft = best_draft(follows, context, peers, index, None, k).tokens
                 draft = draft[: len(output) - t - 1]
                 accepted = 0
                 while accepted < len(draft) and draft[accepted] == output[t + accepted]:

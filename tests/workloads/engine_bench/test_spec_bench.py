@@ -35,10 +35,11 @@ def test_the_draft_ceiling_counts_decode_passes_with_free_drafts() -> None:
     assert spec_bench.draft_ceiling([fresh], k=4) == 1.0
     # The same request again follows the first exactly: passes take 4 drafts + 1, then 1 + 1.
     assert spec_bench.draft_ceiling([fresh, fresh], k=4) == 14 / 9
-    # Its own context repeats: no draft until the 2-gram (7, 8) recurs (5 passes), then each
-    # draft is the 3 tokens after the latest occurrence, accepted, + 1: 17 tokens in 8 passes.
+    # Its own context repeats: no draft until the token 7 recurs (3 passes), then each draft is
+    # the 3 tokens after the latest occurrence of the longest recurring n-gram, accepted, + 1,
+    # the last one cut to the 1 token left: 17 tokens in 7 passes.
     looping = ([1, 2, 3], [7, 8, 9] * 6)
-    assert spec_bench.draft_ceiling([looping], k=8) == 17 / 8
+    assert spec_bench.draft_ceiling([looping], k=8) == 17 / 7
 
 
 def test_the_draft_ceiling_at_a_concurrency_drafts_only_from_what_peers_generated_already() -> None:

@@ -22,8 +22,9 @@ the model would have picked anyway are kept. Nothing here crosses a namespace.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import repeat
 
 import msgspec
 
@@ -81,10 +82,14 @@ class ContextIndex:
         tokens.extend(request.output[have - len(prompt) :])
         # Entries map an n-gram to where its continuation starts. The n-gram ending at the
         # last token is the query, not an entry: continuations start at the last token at most.
+        # Built by zip over shifted slices (a prompt of thousands of tokens is indexed at its
+        # first draft, in C), later positions overwriting earlier ones.
         end = len(tokens) - 1
         for n, last in self._last.items():
-            for cont in range(max(n, self._indexed + 1), end + 1):
-                last[tuple(tokens[cont - n : cont])] = cont
+            low = max(n, self._indexed + 1)
+            if low <= end:
+                grams = zip(*(tokens[low - n + i : end - n + i + 1] for i in range(n)))
+                last.update(zip(grams, range(low, end + 1)))
         self._indexed = max(self._indexed, end)
 
     def lookup(self, max_tokens: int) -> tuple[list[int], int]:
@@ -171,16 +176,19 @@ class NamespaceIndex:
             self.add(event.namespace, event.tokens)
 
     def add(self, namespace: str | None, tokens: Sequence[int]) -> None:
-        k = self._max_tokens
-        entries = self._next
+        """Enter ``tokens``' n-grams as the most recently stored (each an update in C: the
+        events carry whole prompts' pages)."""
+        k, entries = self._max_tokens, self._next
         tokens = list(tokens)
-        for cont in range(1, len(tokens)):
-            after = tuple(tokens[cont : cont + k])  # one tuple for every n ending here
-            for n in NAMESPACE_NGRAMS:
-                if n <= cont:
-                    key = (namespace, tuple(tokens[cont - n : cont]))
-                    entries[key] = after
-                    entries.move_to_end(key)
+        size = len(tokens)
+        # The continuation after position cont - 1, one tuple for every n-gram ending there.
+        after = [tuple(tokens[cont : cont + k]) for cont in range(1, size)]
+        for n in NAMESPACE_NGRAMS:
+            if size <= n:
+                continue
+            keys = list(zip(repeat(namespace), zip(*(tokens[i : size - n + i] for i in range(n)))))
+            deque(map(entries.pop, keys, repeat(None)), maxlen=0)  # re-entered at the end
+            entries.update(zip(keys, after[n - 1 :]))
         while len(entries) > self._capacity:
             entries.popitem(last=False)
 

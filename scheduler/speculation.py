@@ -11,9 +11,11 @@ this machine and this traffic, never assumed:
   gate stops drafting.
 - ``Acceptance``: per request, draft source and match length (1-4 tokens: a longer match is
   right more often), the chance a draft token is accepted given the ones before it were
-  (successes over trials, older outcomes decayed, starting from a prior per source and length);
-  while its drafts go unused it drifts back to the prior, so a request that starts repeating
-  itself later is tried again.
+  (successes over trials, older outcomes decayed); its prior is what the same source and length
+  have scored across all requests lately (``traffic``: a new request of a chat trace, whose
+  short matches are mostly wrong, does not pay rows to learn that again), starting from a
+  constant per source and length; while its drafts go unused it drifts back to that prior, so
+  a request that starts repeating itself later is tried again.
 
 Drafts are then granted greedily, best expected gain first: the i-th token of a draft with
 acceptance ``p`` is worth ``p**i`` tokens for ``b`` seconds, taken while that beats the step's
@@ -34,7 +36,9 @@ PRIORS = {DraftSource.TREE: 0.9, DraftSource.CONTEXT: 0.6, DraftSource.PEER: 0.5
           DraftSource.NAMESPACE: 0.5}
 SHORT_MATCH_SHARE = {1: 0.5, 2: 0.7, 3: 0.85}
 PRIOR_WEIGHT = 1.0  # trials the prior counts for
-HISTORY_DECAY = 0.9  # weight of older outcomes at each verify
+HISTORY_DECAY = 0.9  # weight of older outcomes at each verify of one request
+TRAFFIC_DECAY = 0.99  # the same across all requests (about the last hundred verifies)
+TRAFFIC_IDLE_DECAY = 0.99  # per offer of any request left unverified
 IDLE_DECAY = 0.95  # per step a draft was offered but not verified: back toward the prior
 # Passes up to this many tokens are fitted (a long prefill's cost says little about decode).
 COST_MAX_TOKENS = 256
@@ -81,11 +85,14 @@ class StepCost:
 
 @dataclass
 class Acceptance:
-    """Decayed successes and trials of one request's drafts from one source."""
+    """Decayed successes and trials of drafts from one source and match length (one request's,
+    or the traffic's)."""
 
     prior: float
     successes: float = 0.0
     trials: float = 0.0
+    decay: float = HISTORY_DECAY
+    idle_decay: float = IDLE_DECAY
 
     @property
     def rate(self) -> float:
@@ -93,12 +100,12 @@ class Acceptance:
 
     def record(self, drafted: int, accepted: int) -> None:
         # Trials end at the first rejected token: the ones after it were never judged.
-        self.successes = self.successes * HISTORY_DECAY + accepted
-        self.trials = self.trials * HISTORY_DECAY + accepted + (accepted < drafted)
+        self.successes = self.successes * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + (accepted < drafted)
 
     def idle(self) -> None:
-        self.successes *= IDLE_DECAY
-        self.trials *= IDLE_DECAY
+        self.successes *= self.idle_decay
+        self.trials *= self.idle_decay
 
 
 @dataclass
@@ -115,15 +122,31 @@ class SpeculationGate:
     def __init__(self) -> None:
         self.cost = StepCost()
         self._acceptance: dict[tuple[Request, DraftSource, int], Acceptance] = {}
+        self._traffic: dict[tuple[DraftSource, int], Acceptance] = {}
 
-    def acceptance(self, request: Request, draft: Draft) -> Acceptance:
+    def traffic(self, draft: Draft) -> Acceptance:
+        """Every request's outcomes for ``draft``'s source and match length."""
         assert draft.source is not None
         match = min(draft.match, LONGEST_NGRAM)
-        key = (request, draft.source, match)
-        found = self._acceptance.get(key)
+        key = (draft.source, match)
+        found = self._traffic.get(key)
         if found is None:
             prior = PRIORS[draft.source] * SHORT_MATCH_SHARE.get(match, 1.0)
+            found = self._traffic[key] = Acceptance(prior, decay=TRAFFIC_DECAY,
+                                                       idle_decay=TRAFFIC_IDLE_DECAY)
+        return found
+
+    def acceptance(self, request: Request, draft: Draft) -> Acceptance:
+        """``request``'s own estimate for ``draft``'s source and match length, its prior
+        being the traffic's current rate."""
+        assert draft.source is not None
+        key = (request, draft.source, min(draft.match, LONGEST_NGRAM))
+        prior = self.traffic(draft).rate
+        found = self._acceptance.get(key)
+        if found is None:
             found = self._acceptance[key] = Acceptance(prior)
+        else:
+            found.prior = prior
         return found
 
     def may_grant(self, pass_tokens: int, sampled: int) -> bool:
@@ -163,13 +186,15 @@ class SpeculationGate:
             tokens += worth
             seconds += b
         for candidate, k in zip(candidates, granted):
-            if k == 0:
+            if k == 0:  # both estimates drift back: a source nobody tries is tried again
                 self.acceptance(candidate.request, candidate.draft).idle()
+                self.traffic(candidate.draft).idle()
         return granted
 
     def record(self, request: Request, draft: Draft, drafted: int, accepted: int) -> None:
         """``drafted`` of ``draft``'s tokens were verified and ``accepted`` of them kept."""
         self.acceptance(request, draft).record(drafted, accepted)
+        self.traffic(draft).record(drafted, accepted)
 
     def forget(self, request: Request) -> None:
         for source in DraftSource:

@@ -354,6 +354,27 @@ def test_gate_stops_drafting_when_drafts_are_rejected_and_retries_later() -> Non
         raise AssertionError("the gate never retried")
 
 
+def test_a_new_request_is_priced_by_what_its_draft_kind_scored_on_the_traffic() -> None:
+    """Other requests' rejected 1-token context matches make a new request's one not worth a
+    row at a pass where the constant prior would have paid; other kinds keep their priors; and
+    left untried, the traffic's estimate drifts back until the kind is tried again."""
+    gate = _fitted_gate(0.006, 0.0009)  # a token pays at acceptance over 0.13
+    short = Draft([5, 6], DraftSource.CONTEXT, 1)
+    fresh = Request("fresh", [1], SamplingParams())
+    assert gate.grant([Candidate(fresh, short)], 1, 1, 100) == [1]  # prior 0.3
+    for i in range(20):
+        gate.record(Request(i, [1], SamplingParams()), short, 1, 0)
+    newcomer = Request("new", [1], SamplingParams())
+    assert gate.grant([Candidate(newcomer, short)], 1, 1, 100) == [0]
+    long = Draft([5, 6], DraftSource.CONTEXT, 4)
+    assert gate.grant([Candidate(newcomer, long)], 1, 1, 100)[0] > 0
+    for _ in range(500):
+        if gate.grant([Candidate(newcomer, short)], 1, 1, 100) != [0]:
+            break
+    else:
+        raise AssertionError("the traffic's estimate never came back")
+
+
 def test_gate_grants_nothing_to_a_compute_bound_batch() -> None:
     gate = _fitted_gate(0.001, 0.002)  # each token costs twice a pass's fixed part
     requests = [Request(i, [1], SamplingParams()) for i in range(32)]

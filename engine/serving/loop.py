@@ -28,6 +28,7 @@ from typing import Any
 
 from engine.model.runner import ModelRunner
 from engine.model.sampler import TokenLogprob
+from engine.model.threads import release_openmp_team
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.errors import EngineDeadError
 from engine.serving.handle import Delta, Done, Event, Failed, RequestHandle
@@ -88,6 +89,9 @@ class EngineLoop:
         self._failed = 0
         self._step_failures = 0
         self._stats: EngineStats = snapshot(scheduler, 0)
+        # The constructing thread loaded and checked the model: its idle OpenMP team would
+        # slow every parallel region of the loop's (``release_openmp_team``).
+        release_openmp_team()
         self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop", daemon=True)
         self._thread.start()
 
@@ -185,6 +189,7 @@ class EngineLoop:
             if not self._has_work():
                 if not idle_checked:
                     self._scheduler.check_integrity()
+                    release_openmp_team()  # idle: another engine's loop may be busy
                     idle_checked = True
                 self._publish()
                 self._mark_idle_if_quiet()

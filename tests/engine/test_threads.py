@@ -9,7 +9,7 @@ import torch
 
 from engine.model.kv_pool import KVPool
 from engine.model.runner import ModelRunner
-from engine.model.threads import PARALLEL_MIN_TOKENS, ThreadPolicy
+from engine.model.threads import PARALLEL_MIN_TOKENS, ThreadPolicy, release_openmp_team
 from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
@@ -61,5 +61,25 @@ def test_default_policy_keeps_the_starting_thread_count_after_a_decode_step_lowe
         policy = ThreadPolicy.default(None)
         assert policy.max_threads == threads_module.STARTING_THREADS
         assert ThreadPolicy.default(3).max_threads == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_thread_frees_its_openmp_team_and_its_next_pass_computes_the_same(
+    loaded_fp32: Any, make_entry: Any
+) -> None:
+    """The engine frees the OpenMP team of the thread that built it, and the loop its own when
+    idle (``release_openmp_team``): the runtime torch ships must be found and the call must
+    succeed, and a pass after it (on a new team) gives the same bits."""
+    cfg = loaded_fp32.config
+    pool = KVPool(cfg.num_layers, 32, 16, cfg.num_kv_heads, cfg.head_dim)
+    runner = ModelRunner(loaded_fp32, pool, threads=ThreadPolicy(2), batch_invariant=True)
+    request = Request(0, list(range(100, 100 + PARALLEL_MIN_TOKENS)), SamplingParams())
+    batch = Batch([make_entry(request, request.prompt, 0, list(range(8)), 16)], 16)
+    before = torch.get_num_threads()
+    try:
+        first = runner.forward(batch)
+        assert release_openmp_team()
+        assert torch.equal(runner.forward(batch), first)
     finally:
         torch.set_num_threads(before)

@@ -48,9 +48,10 @@ class DraftSource(enum.Enum):
     NAMESPACE = "namespace"  # an n-gram of the namespace's cached sequences
 
 
-class Draft(msgspec.Struct):
+class Draft(msgspec.Struct, frozen=True):
     """Proposed next tokens, where they were read, and how many of the sequence's last tokens
-    matched there (the tree's continuation matches the whole sequence)."""
+    matched there (the tree's continuation matches the whole sequence). Frozen: ``NO_DRAFT``
+    is shared."""
 
     tokens: list[int]
     source: DraftSource | None = None

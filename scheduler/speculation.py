@@ -108,6 +108,13 @@ class Acceptance:
         self.trials *= self.idle_decay
 
 
+def _kind(draft: Draft) -> tuple[DraftSource, int]:
+    """What the gate learns acceptance per: the source and the match length (capped: the
+    tree's continuation matches a whole sequence)."""
+    assert draft.source is not None
+    return draft.source, min(draft.match, LONGEST_NGRAM)
+
+
 @dataclass
 class Candidate:
     """A decoding request with a proposed draft, before the gate decides."""
@@ -125,22 +132,19 @@ class SpeculationGate:
         self._traffic: dict[tuple[DraftSource, int], Acceptance] = {}
 
     def traffic(self, draft: Draft) -> Acceptance:
-        """Every request's outcomes for ``draft``'s source and match length."""
-        assert draft.source is not None
-        match = min(draft.match, LONGEST_NGRAM)
-        key = (draft.source, match)
-        found = self._traffic.get(key)
+        """Every request's outcomes for ``draft``'s kind (source and match length)."""
+        source, match = kind = _kind(draft)
+        found = self._traffic.get(kind)
         if found is None:
-            prior = PRIORS[draft.source] * SHORT_MATCH_SHARE.get(match, 1.0)
-            found = self._traffic[key] = Acceptance(prior, decay=TRAFFIC_DECAY,
-                                                       idle_decay=TRAFFIC_IDLE_DECAY)
+            prior = PRIORS[source] * SHORT_MATCH_SHARE.get(match, 1.0)
+            found = self._traffic[kind] = Acceptance(prior, decay=TRAFFIC_DECAY,
+                                                        idle_decay=TRAFFIC_IDLE_DECAY)
         return found
 
     def acceptance(self, request: Request, draft: Draft) -> Acceptance:
-        """``request``'s own estimate for ``draft``'s source and match length, its prior
-        being the traffic's current rate."""
-        assert draft.source is not None
-        key = (request, draft.source, min(draft.match, LONGEST_NGRAM))
+        """``request``'s own estimate for ``draft``'s kind, its prior being the traffic's
+        current rate."""
+        key = (request, *_kind(draft))
         prior = self.traffic(draft).rate
         found = self._acceptance.get(key)
         if found is None:

@@ -95,6 +95,29 @@ def test_each_row_is_bit_identical_whatever_shares_its_call(
         assert torch.equal(run(i, i + 1, 1), whole[i : i + 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_row_count_gives_each_row_its_one_row_result(
+    kernel: ModuleType, dtype: torch.dtype
+) -> None:
+    """The kernel tiles a call by its row count (wide tiles for one or two rows, tall tiles
+    of one panel up to 28, blocks of 96 beyond): every count across those boundaries gives
+    each row the bits it gets alone, with a fused prologue and a residual."""
+    gen = torch.Generator().manual_seed(5)
+    k, n = 576, 960
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    packed = PackedWeight(kernel, w, torch.randn(n, generator=gen))
+    norm = torch.rand(k, generator=gen) + 0.5
+    x = torch.randn(100, k, generator=gen)
+    res = torch.randn(100, n, generator=gen)
+
+    def run(rows: slice) -> torch.Tensor:
+        return packed(x[rows], RMSNORM, norm, 1e-5, res[rows], threads=2)
+
+    alone = torch.cat([run(slice(i, i + 1)) for i in range(100)])
+    for rows in [*range(2, 31), 95, 96, 97, 100]:
+        assert torch.equal(run(slice(0, rows)), alone[:rows]), f"{rows} rows"
+
+
 def test_fused_prologues_and_epilogues_compute_what_they_name(kernel: ModuleType) -> None:
     k, n = 64, 96
     gen = torch.Generator().manual_seed(3)

@@ -78,6 +78,9 @@ class TraceRun(msgspec.Struct):
     off_decode_tok_s: float
     tree_decode_tok_s: float
     decode_speedup: float
+    # All requests' decode tokens over their decode seconds, tree / off (median over
+    # repetitions): requests that quote more weigh more than in the median request.
+    pooled_decode_speedup: float
     draft_tokens: int
     accepted_tokens: int
     # Tokens per decode pass if every pass verified its drafts for free (``draft_ceiling``,
@@ -180,11 +183,13 @@ def draft_ceiling(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: i
 
 
 def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrency: int,
-                    namespace: str) -> tuple[float, list[list[int]], float]:
+                    namespace: str) -> tuple[float, list[list[int]], float, float]:
     """Send ``prompts`` in order with at most ``concurrency`` in flight; wall seconds, the
-    outputs' token ids and the median request's decode tokens/s."""
+    outputs' token ids, the median request's decode tokens/s and all requests' decode tokens
+    over their decode seconds."""
     outputs: list[list[int]] = [[] for _ in prompts]
     rates: list[float] = []
+    decoded: list[tuple[int, float]] = []
     lock = threading.Lock()
     queue = list(range(len(prompts)))[::-1]
 
@@ -198,6 +203,7 @@ def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrenc
             outputs[index] = list(out.token_ids)
             if out.ttft_s is not None and len(out.token_ids) > 1:
                 rates.append((len(out.token_ids) - 1) / (out.latency_s - out.ttft_s))
+                decoded.append((len(out.token_ids) - 1, out.latency_s - out.ttft_s))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(min(concurrency, len(prompts)))]
@@ -205,7 +211,10 @@ def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrenc
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - started, outputs, statistics.median(rates) if rates else 0.0
+    seconds = sum(s for _, s in decoded)
+    pooled = sum(n for n, _ in decoded) / seconds if seconds > 0 else 0.0
+    return (time.perf_counter() - started, outputs, statistics.median(rates) if rates else 0.0,
+            pooled)
 
 
 def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: Any,
@@ -213,14 +222,16 @@ def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: 
                 log: Callable[[str], None]) -> TraceRun:
     walls: dict[str, list[float]] = {"off": [], "tree": []}
     decode: dict[str, list[float]] = {"off": [], "tree": []}
+    pooled: dict[str, list[float]] = {"off": [], "tree": []}
     outs: dict[str, list[list[int]]] = {}
     drafted = accepted = 0
     for rep in range(repeats):
         for mode in ("off", "tree") if rep % 2 == 0 else ("tree", "off"):
             engine = engines[mode]
             before = engine.stats().counters
-            wall, got, rate = run_closed_loop(engine, prompts, params, concurrency,
-                                              f"{name}-{concurrency}-{rep}-{mode}")
+            wall, got, rate, pool = run_closed_loop(engine, prompts, params, concurrency,
+                                                    f"{name}-{concurrency}-{rep}-{mode}")
+            pooled[mode].append(pool)
             after = engine.stats().counters
             walls[mode].append(wall)
             decode[mode].append(rate)
@@ -240,8 +251,10 @@ def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: 
         [(engines["off"].encode(p), o) for p, o in zip(prompts, outs["off"])], k, concurrency)
     off, tree = statistics.median(walls["off"]), statistics.median(walls["tree"])
     d_off, d_tree = statistics.median(decode["off"]), statistics.median(decode["tree"])
+    p_off, p_tree = statistics.median(pooled["off"]), statistics.median(pooled["tree"])
     return TraceRun(name, concurrency, len(prompts), tokens, tokens / off, tokens / tree,
                     off / tree, d_off, d_tree, d_tree / d_off if d_off else 0.0,
+                    p_tree / p_off if p_off else 0.0,
                     drafted // repeats, accepted // repeats, ceiling, identical,
                     walls["off"], walls["tree"])
 
@@ -265,15 +278,17 @@ def export_for_vllm(engine: Any, traces: dict[str, list[Any]], directory: Path,
 
 def format_table(runs: Sequence[TraceRun]) -> str:
     lines = ["| trace | in flight | requests | tokens | off tok/s | tree tok/s | speedup | "
-             "decode tok/s off / tree (per request) | decode speedup | accepted / drafted | "
-             "ceiling tok/pass | identical |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "decode tok/s off / tree (per request) | decode speedup | "
+             "decode speedup, all requests | accepted / drafted | ceiling tok/pass | identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| --- |"]
     for r in runs:
         rate = f"{r.accepted_tokens} / {r.draft_tokens}" if r.draft_tokens else "0 / 0"
         lines.append(f"| {r.trace} | {r.concurrency} | {r.requests} | {r.generated_tokens} | "
                      f"{r.off_tok_s:.1f} | {r.tree_tok_s:.1f} | {r.speedup:.2f}x | "
                      f"{r.off_decode_tok_s:.1f} / {r.tree_decode_tok_s:.1f} | "
-                     f"{r.decode_speedup:.2f}x | {rate} | {r.ceiling_tokens_per_pass:.2f} | "
+                     f"{r.decode_speedup:.2f}x | {r.pooled_decode_speedup:.2f}x | {rate} | "
+                     f"{r.ceiling_tokens_per_pass:.2f} | "
                      f"{'yes' if r.identical else 'NO'} |")
     return "\n".join(lines)
 

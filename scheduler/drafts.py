@@ -34,7 +34,7 @@ from scheduler.request import Request
 # n-gram lengths tried on the request's own context and in the namespace index, longest first.
 CONTEXT_NGRAMS = (4, 3, 2, 1)
 NAMESPACE_NGRAMS = (4, 3, 2, 1)
-LONGEST_NGRAM = 4
+LONGEST_NGRAM = max(*CONTEXT_NGRAMS, *NAMESPACE_NGRAMS)
 # n-gram length of the running peers' index.
 PEER_NGRAM = 4
 # How many n-grams the namespace index keeps (LRU; about 250 bytes each).

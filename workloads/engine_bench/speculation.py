@@ -188,8 +188,7 @@ def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrenc
     outputs' token ids, the median request's decode tokens/s and all requests' decode tokens
     over their decode seconds."""
     outputs: list[list[int]] = [[] for _ in prompts]
-    rates: list[float] = []
-    decoded: list[tuple[int, float]] = []
+    decoded: list[tuple[int, float]] = []  # per request: decode tokens, decode seconds
     lock = threading.Lock()
     queue = list(range(len(prompts)))[::-1]
 
@@ -202,7 +201,6 @@ def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrenc
             out = engine.generate([prompts[index]], params, namespace=namespace)[0]
             outputs[index] = list(out.token_ids)
             if out.ttft_s is not None and len(out.token_ids) > 1:
-                rates.append((len(out.token_ids) - 1) / (out.latency_s - out.ttft_s))
                 decoded.append((len(out.token_ids) - 1, out.latency_s - out.ttft_s))
 
     started = time.perf_counter()
@@ -211,10 +209,11 @@ def run_closed_loop(engine: Any, prompts: Sequence[Any], params: Any, concurrenc
         t.start()
     for t in threads:
         t.join()
-    seconds = sum(s for _, s in decoded)
-    pooled = sum(n for n, _ in decoded) / seconds if seconds > 0 else 0.0
-    return (time.perf_counter() - started, outputs, statistics.median(rates) if rates else 0.0,
-            pooled)
+    wall = time.perf_counter() - started
+    if not decoded:
+        return wall, outputs, 0.0, 0.0
+    median = statistics.median(n / s for n, s in decoded)
+    return wall, outputs, median, sum(n for n, _ in decoded) / sum(s for _, s in decoded)
 
 
 def bench_trace(engines: dict[str, Any], name: str, prompts: list[Any], params: Any,

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.model.malloc_tuning import keep_freed_memory
 from engine.model.runner import ModelRunner
 from engine.model.sampler import TokenLogprob
 from engine.model.threads import release_openmp_team
@@ -92,6 +93,7 @@ class EngineLoop:
         # The constructing thread loaded and checked the model: its idle OpenMP team would
         # slow every parallel region of the loop's (``release_openmp_team``).
         release_openmp_team()
+        keep_freed_memory()  # a pass's freed buffers serve the next pass without page faults
         self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop", daemon=True)
         self._thread.start()
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine import KVPool, load_hf_reference, load_model
+from engine.model.malloc_tuning import keep_freed_memory
 from engine.model.products import PackedWeight, load_products
 from engine.model.runner import ModelRunner
 from engine.model.threads import ThreadPolicy
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # malloc as the engine's loop sets it (timings must not hang on history)
     loaded = load_model(None, "cpu", args.dtype)
     hf = None if args.no_transformers else load_hf_reference().to(loaded.dtype)
     gen = torch.Generator().manual_seed(0)

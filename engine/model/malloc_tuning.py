@@ -51,7 +51,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    # mallopt returns 1 on success
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    mmap_set = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)  # both are set, whatever the first gives
+    trim_set = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return mmap_set == 1 and trim_set == 1  # mallopt returns 1 on success

@@ -182,6 +182,27 @@ def test_decodes_on_shared_prefix_pages_match_the_reference_and_a_lone_decode(
                 t += 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_read_over_all_kv_heads_at_once_keeps_its_lone_bits(
+    kernel: ModuleType, dtype: torch.dtype
+) -> None:
+    """Eight unrelated decodes on two threads are eight units, each over every KV head (a
+    block's pages read as whole rows); alone, a decode is one unit per KV head. Which of the
+    two computes a query must not change its bits, nor its distance from float64 attention."""
+    gen = torch.Generator().manual_seed(8)
+    lens = [130, 64, 1, 200, 17, 96, 65, 300]
+    ks = [torch.randn(n, HKV, D, generator=gen) for n in lens]
+    vs = [torch.randn(n, HKV, D, generator=gen) for n in lens]
+    pool = Pool(ks, vs, 16, dtype, seed=8)
+    q = torch.randn(len(lens), HKV * G, D, generator=gen)
+    batched = attend(kernel, pool, q, [1] * len(lens), lens, list(range(len(lens))), threads=2)
+    for s, n in enumerate(lens):
+        alone = attend(kernel, pool, q[s : s + 1], [1], [n], [s], threads=2)
+        assert torch.equal(alone[0], batched[s]), s
+        want = reference(q[s], ks[s].to(dtype), vs[s].to(dtype), n - 1)
+        torch.testing.assert_close(batched[s], want, rtol=1e-5, atol=1e-5)
+
+
 def test_disabled_by_environment_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.load_kernel() is None

@@ -10,7 +10,9 @@
 // prefill tile or under a shared prefix) are computed together in register tiles, so each
 // key or value load serves every row of the tile; a row's operations are the same in any
 // tile, at the build's vector width (8 or 16 floats) and on any thread. bfloat16 pools are
-// widened exactly as they are loaded.
+// widened exactly as they are loaded. A work unit covers one KV head or, for a batch of
+// decodes, all of them (each block computed head after head, so its pages are read as whole
+// token rows); the rows' arithmetic is the same either way.
 // Built per machine with -march=native and -ffp-contract=off (contractions are explicit).
 
 #include <torch/extension.h>
@@ -58,6 +60,7 @@ constexpr int NACC = TILE * LANES / W;  // accumulators per row (4)
 constexpr int VECS = 4;
 constexpr int DIM_MULTIPLE = 32;  // head_dim: whole passes of values (native.HEAD_DIM_MULTIPLE)
 constexpr int64_t kMaxDim = 512;  // head_dim the fused RoPE's stack buffer holds
+constexpr int64_t kWholeRowTokens = 8;  // pieces up to this many tokens may take all KV heads
 
 // x in every lane (written out: GCC compiles a lane-by-lane loop into masked inserts)
 template <typename V>
@@ -358,9 +361,9 @@ inline void with_rows(const scalar_t* const* rows, int64_t n, int64_t dim,
 // current block is computed: a head's rows are a strided walk the hardware does not foresee.
 template <typename scalar_t>
 inline void prefetch_block(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int32_t s,
-                           int64_t b, int64_t* slots) {
+                           int64_t b, int64_t* slots, int64_t nh = 1) {
   block_slots(a, s, b, slots);
-  const int64_t bytes = a.dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t bytes = nh * a.dim * static_cast<int64_t>(sizeof(scalar_t));
   for (int j = 0; j < BLOCK; ++j) {
     const char* row = reinterpret_cast<const char*>(base + (slots[j] * a.hkv + h) * a.dim);
     for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 3);
@@ -374,7 +377,7 @@ inline void prefetch_block(const Args<scalar_t>& a, const scalar_t* base, int64_
 template <typename scalar_t, typename Visit>
 void for_each_run(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int64_t first,
                   int64_t count, int64_t nb, bool by_length, std::vector<int64_t>& run,
-                  Visit visit) {
+                  Visit visit, int64_t nh = 1) {
   int64_t slots[BLOCK], held[BLOCK];
   held[0] = -1;  // no slot is negative: the first block is always located
   const scalar_t* rows[BLOCK];
@@ -389,7 +392,7 @@ void for_each_run(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int6
       const int n = static_cast<int>(std::min<int64_t>(BLOCK, a.q_pos[t] + 1 - b * BLOCK));
       if (a.q_seq[t] != seq_at) {
         seq_at = a.q_seq[t];
-        if (b + 1 < nb) prefetch_block(a, base, h, seq_at, b + 1, slots);
+        if (b + 1 < nb) prefetch_block(a, base, h, seq_at, b + 1, slots, nh);
         block_slots(a, seq_at, b, slots);
         if (std::memcmp(slots, held, sizeof slots) != 0) {
           if (!run.empty()) visit(b, run, view);
@@ -420,15 +423,23 @@ struct Scratch {
   std::vector<int64_t> run;
 };
 
-// One work unit (``count`` query tokens from ``first`` in item order) against one KV head.
+// One work unit (``count`` query tokens from ``first`` in item order) against ``nh`` KV heads
+// from ``h0``: each block is computed for every head in turn, so its pages are read as whole
+// token rows. Row r is head h0 + r / (count * g), token r % (count * g) / g, query head r % g.
 template <typename scalar_t>
-void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t h,
+void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t h0, int64_t nh,
                  Scratch& w) {
-  const int64_t g = a.group, dim = a.dim, hq = a.hkv * g, rows = count * g;
+  const int64_t g = a.group, dim = a.dim, hq = a.hkv * g, per_head = count * g;
+  const int64_t rows = per_head * nh;
   int64_t max_len = 0;
   for (int64_t i = 0; i < count; ++i)
     max_len = std::max<int64_t>(max_len, a.q_pos[a.order[first + i]] + 1);
   const int64_t nb = (max_len + BLOCK - 1) / BLOCK, width = nb * BLOCK;
+  // where row r's query is read and its output written
+  const auto at = [&](int64_t r) {
+    const int64_t t = a.order[first + r % per_head / g];
+    return (t * hq + (h0 + r / per_head) * g + r % g) * dim;
+  };
 
   // (a row's scores are written before they are read: its own blocks, nothing past them)
   w.qs.resize(rows * dim);
@@ -436,32 +447,45 @@ void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t 
   if constexpr (!std::is_same_v<scalar_t, float>) w.copy.resize(BLOCK * dim);
   w.total.assign(rows * dim, 0.0);
   w.sums.assign(rows, 0.0);
-  w.in.resize(rows);
-  w.scores.resize(rows);
-  w.totals.resize(rows);
-  w.sums_at.resize(rows);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t t = a.order[first + i];
-    for (int64_t j = 0; j < g; ++j) {
-      const float* src = a.q + (t * hq + h * g + j) * dim;
-      for (int64_t e = 0; e < dim; ++e) w.qs[(i * g + j) * dim + e] = src[e] * a.scale;
-    }
+  w.in.resize(per_head);
+  w.scores.resize(per_head);
+  w.totals.resize(per_head);
+  w.sums_at.resize(per_head);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = a.q + at(r);
+    for (int64_t e = 0; e < dim; ++e) w.qs[r * dim + e] = src[e] * a.scale;
   }
 
-  for_each_run(a, a.k, h, first, count, nb, false, w.run,
+  // Calls f(head, n, keys or values of the block for that head) after pointing w.in, w.scores,
+  // w.totals and w.sums_at at the n rows of ``tokens`` for that head.
+  const scalar_t* shifted[BLOCK];
+  const auto per_head_of_block = [&](int64_t b, const std::vector<int64_t>& tokens,
+                                     const scalar_t* const* block, auto f) {
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      if (hh > 0)
+        for (int j = 0; j < BLOCK; ++j) shifted[j] = block[j] + hh * dim;
+      int64_t n = 0;
+      for (const int64_t i : tokens)
+        for (int64_t r = hh * per_head + i * g; r < hh * per_head + (i + 1) * g; ++r, ++n) {
+          w.in[n] = w.qs.data() + r * dim;
+          w.scores[n] = w.s.data() + r * width + b * BLOCK;
+          w.totals[n] = w.total.data() + r * dim;
+          w.sums_at[n] = &w.sums[r];
+        }
+      f(n, hh > 0 ? static_cast<const scalar_t* const*>(shifted) : block);
+    }
+  };
+
+  for_each_run(a, a.k, h0, first, count, nb, false, w.run,
                [&](int64_t b, const std::vector<int64_t>& tokens, const scalar_t* const* block) {
-                 int64_t n = 0;
-                 for (const int64_t i : tokens)
-                   for (int64_t r = i * g; r < (i + 1) * g; ++r, ++n) {
-                     w.in[n] = w.qs.data() + r * dim;
-                     w.scores[n] = w.s.data() + r * width + b * BLOCK;
-                   }
-                 with_rows(block, n, dim, w.copy, [&](auto keys) {
-                   in_tiles(n, [&](auto tile, int64_t o) {
-                     block_scores<decltype(tile)::value>(&w.in[o], keys, dim, &w.scores[o]);
+                 per_head_of_block(b, tokens, block, [&](int64_t n, const scalar_t* const* k) {
+                   with_rows(k, n, dim, w.copy, [&](auto keys) {
+                     in_tiles(n, [&](auto tile, int64_t o) {
+                       block_scores<decltype(tile)::value>(&w.in[o], keys, dim, &w.scores[o]);
+                     });
                    });
                  });
-               });
+               }, nh);
 
   // the values' first block is on its way while the maxima and exps are computed
   {
@@ -469,55 +493,44 @@ void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t 
     int32_t seq_at = -1;
     for (int64_t i = 0; i < count; ++i) {
       const int32_t s = a.q_seq[a.order[first + i]];
-      if (s != seq_at) prefetch_block(a, a.v, h, seq_at = s, 0, slots);
+      if (s != seq_at) prefetch_block(a, a.v, h0, seq_at = s, 0, slots, nh);
     }
   }
 
   // each row: its exact maximum over keys 0..pos, then exp over its whole blocks
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t len = a.q_pos[a.order[first + i]] + 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = a.q_pos[a.order[first + r % per_head / g]] + 1;
     const int64_t full = len / LANES * LANES, span = (len + BLOCK - 1) / BLOCK * BLOCK;
-    for (int64_t j = 0; j < g; ++j) {
-      float* row = w.s.data() + (i * g + j) * width;
-      v8f mv = splat<v8f>(-__builtin_inff());
-      for (int64_t c = 0; c < full; c += LANES) {
-        const v8f x = load<v8f>(row + c);
-        mv = x > mv ? x : mv;
-      }
-      float m = -__builtin_inff();
-      for (int l = 0; l < LANES; ++l) m = std::max(m, mv[l]);
-      for (int64_t c = full; c < len; ++c) m = std::max(m, row[c]);
-      const vf mm = splat<vf>(m);
-      for (int64_t c = 0; c < span; c += W) store(row + c, vexp<vf, vi>(load<vf>(row + c) - mm));
+    float* row = w.s.data() + r * width;
+    v8f mv = splat<v8f>(-__builtin_inff());
+    for (int64_t c = 0; c < full; c += LANES) {
+      const v8f x = load<v8f>(row + c);
+      mv = x > mv ? x : mv;
     }
+    float m = -__builtin_inff();
+    for (int l = 0; l < LANES; ++l) m = std::max(m, mv[l]);
+    for (int64_t c = full; c < len; ++c) m = std::max(m, row[c]);
+    const vf mm = splat<vf>(m);
+    for (int64_t c = 0; c < span; c += W) store(row + c, vexp<vf, vi>(load<vf>(row + c) - mm));
   }
 
-  for_each_run(a, a.v, h, first, count, nb, true, w.run,
+  for_each_run(a, a.v, h0, first, count, nb, true, w.run,
                [&](int64_t b, const std::vector<int64_t>& tokens, const scalar_t* const* block) {
                  const int64_t pos = a.q_pos[a.order[first + tokens[0]]];
                  const int n = static_cast<int>(std::min<int64_t>(BLOCK, pos + 1 - b * BLOCK));
-                 int64_t m = 0;
-                 for (const int64_t i : tokens)
-                   for (int64_t r = i * g; r < (i + 1) * g; ++r, ++m) {
-                     w.in[m] = w.s.data() + r * width + b * BLOCK;
-                     w.totals[m] = w.total.data() + r * dim;
-                     w.sums_at[m] = &w.sums[r];
-                   }
-                 with_rows(block, m, dim, w.copy, [&](auto values) {
-                   in_tiles(m, [&](auto tile, int64_t o) {
-                     block_values<decltype(tile)::value>(&w.in[o], values, dim, n, &w.totals[o],
-                                                         &w.sums_at[o]);
+                 per_head_of_block(b, tokens, block, [&](int64_t m, const scalar_t* const* v) {
+                   with_rows(v, m, dim, w.copy, [&](auto values) {
+                     in_tiles(m, [&](auto tile, int64_t o) {
+                       block_values<decltype(tile)::value>(&w.scores[o], values, dim, n,
+                                                           &w.totals[o], &w.sums_at[o]);
+                     });
                    });
                  });
-               });
+               }, nh);
 
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t t = a.order[first + i];
-    for (int64_t j = 0; j < g; ++j) {
-      const int64_t r = i * g + j;
-      float* o = a.out + (t * hq + h * g + j) * dim;
-      for (int64_t e = 0; e < dim; ++e) o[e] = static_cast<float>(w.total[r * dim + e] / w.sums[r]);
-    }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = a.out + at(r);
+    for (int64_t e = 0; e < dim; ++e) o[e] = static_cast<float>(w.total[r * dim + e] / w.sums[r]);
   }
 }
 
@@ -533,9 +546,9 @@ struct NoPrepare {
 template <typename scalar_t, typename Prepare = NoPrepare>
 void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0,
          const Prepare& prepare = Prepare()) {
-  // Work units: the items, cut where two tokens of different sequences start on different
-  // pages (they share no block, so nothing is lost), times the KV heads. A decode item of 8
-  // unrelated requests is then 8 units per head, which threads share evenly.
+  // Pieces: the items, cut where two tokens of different sequences start on different pages
+  // (they share no block, so nothing is lost). A decode item of 8 unrelated requests is then
+  // 8 pieces, which threads share evenly.
   std::vector<int64_t> cuts;
   for (int64_t item = 0; item < items; ++item) {
     cuts.push_back(a.item_ptr[item]);
@@ -546,7 +559,23 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
     }
   }
   cuts.push_back(a.item_ptr[items]);
-  const int64_t work = static_cast<int64_t>(cuts.size() - 1) * a.hkv;
+  const int64_t pieces = static_cast<int64_t>(cuts.size()) - 1;
+  // A piece of a few tokens is one unit over all KV heads, if there are pieces enough to keep
+  // every thread busy: its blocks are then read as whole page rows (every head's keys of a
+  // token side by side), which the memory system streams ~15% faster than one head's strided
+  // rows (b=8, 512 of context); else, and for prefill tiles, one unit per KV head.
+  struct Unit {
+    int64_t piece, head, heads;
+  };
+  std::vector<Unit> units;
+  for (int64_t p = 0; p < pieces; ++p) {
+    if (cuts[p + 1] - cuts[p] <= kWholeRowTokens && pieces >= 2 * std::max<int64_t>(threads, 1)) {
+      units.push_back({p, 0, a.hkv});
+    } else {
+      for (int64_t h = 0; h < a.hkv; ++h) units.push_back({p, h, 1});
+    }
+  }
+  const int64_t work = static_cast<int64_t>(units.size());
   std::atomic<int64_t> next{0};
   // Units are claimed dynamically (they differ in cost); which thread runs one never
   // changes what it computes. One parallel region of ``threads`` threads per call, whatever
@@ -561,8 +590,8 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
     }  // implicit barrier: every token's K and V is in the pool before any is read
     Scratch scratch;
     for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1)) {
-      const int64_t u = w / a.hkv;
-      attend_unit(a, cuts[u], cuts[u + 1] - cuts[u], w % a.hkv, scratch);
+      const Unit& u = units[w];
+      attend_unit(a, cuts[u.piece], cuts[u.piece + 1] - cuts[u.piece], u.head, u.heads, scratch);
     }
   }
 }

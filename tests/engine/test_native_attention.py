@@ -265,3 +265,33 @@ def test_fused_call_rejects_a_slot_outside_the_pool(kernel: ModuleType) -> None:
         native.rope_write_attend(
             kernel, qkv, half, half, torch.tensor([32]), k_pool, k_pool.clone(), plan, G, SCALE
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_a_long_lone_request_cut_into_parts_keeps_its_bits(
+    kernel: ModuleType, dtype: torch.dtype, threads: int
+) -> None:
+    """A lone decode or verify is one unit per KV head, fewer units than threads want: its
+    blocks are cut into parts that threads take apart, and each row's blocks added in order
+    afterwards. Its queries keep the bits they get on one thread (one whole unit per head)
+    and among other decodes (units over every KV head), and stay close to float64."""
+    gen = torch.Generator().manual_seed(threads)
+    lens = [2100, 1100, 64, 1, 900, 1500, 20, 700]
+    ks = [torch.randn(n, HKV, D, generator=gen) for n in lens]
+    vs = [torch.randn(n, HKV, D, generator=gen) for n in lens]
+    pool = Pool(ks, vs, 16, dtype, seed=threads)
+    verify = torch.randn(9, HKV * G, D, generator=gen)  # the last 9 tokens of request 0
+    cut = attend(kernel, pool, verify, [9], [lens[0]], [0], threads=threads)
+    whole = attend(kernel, pool, verify, [9], [lens[0]], [0], threads=1)
+    assert torch.equal(cut, whole)
+    for j in range(9):
+        want = reference(verify[j], ks[0].to(dtype), vs[0].to(dtype), lens[0] - 9 + j)
+        torch.testing.assert_close(cut[j], want, rtol=1e-5, atol=1e-5)
+    q = torch.randn(len(lens), HKV * G, D, generator=gen)
+    batched = attend(kernel, pool, q, [1] * len(lens), lens, list(range(len(lens))), threads)
+    for s in (0, 1, 5):
+        alone = attend(kernel, pool, q[s : s + 1], [1], [lens[s]], [s], threads=threads)
+        assert torch.equal(alone[0], batched[s]), s
+        want = reference(q[s], ks[s].to(dtype), vs[s].to(dtype), lens[s] - 1)
+        torch.testing.assert_close(alone[0], want, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,10 @@
 // tile, at the build's vector width (8 or 16 floats) and on any thread. bfloat16 pools are
 // widened exactly as they are loaded. A work unit covers one KV head or, for a batch of
 // decodes, all of them (each block computed head after head, so its pages are read as whole
-// token rows); the rows' arithmetic is the same either way.
+// token rows); the rows' arithmetic is the same either way. A call with too few units for its
+// threads (a lone request) cuts long units into parts of their blocks computed apart; each
+// block's float32 sums are kept and added in double in block order at the end, the same
+// additions a whole unit makes as it goes.
 // Built per machine with -march=native and -ffp-contract=off (contractions are explicit).
 
 #include <torch/extension.h>
@@ -61,6 +64,10 @@ constexpr int VECS = 4;
 constexpr int DIM_MULTIPLE = 32;  // head_dim: whole passes of values (native.HEAD_DIM_MULTIPLE)
 constexpr int64_t kMaxDim = 512;  // head_dim the fused RoPE's stack buffer holds
 constexpr int64_t kWholeRowTokens = 8;  // pieces up to this many tokens may take all KV heads
+// A call with fewer units than twice its threads cuts them into parts of at least this many
+// blocks, aiming at this many parts per thread (see run).
+constexpr int64_t kMinPartBlocks = 8;
+constexpr int64_t kPartTasksPerThread = 2;
 
 // x in every lane (written out: GCC compiles a lane-by-lane loop into masked inserts)
 template <typename V>
@@ -278,12 +285,20 @@ inline void add_in_double(double* to, vf x) {
 #endif
 }
 
+// Where a block's float32 partial goes: added in double to the row's running total (a unit
+// that walks all its blocks), or kept as it is, per block, for a later sum in block order (a
+// unit cut into parts that threads compute apart): the same additions in the same order.
+inline void put(double* to, vf x) { add_in_double(to, x); }
+inline void put(float* to, vf x) { store(to, x); }
+inline void put_sum(double* to, float x) { *to += x; }
+inline void put_sum(float* to, float x) { *to = x; }
+
 // Dims c..c + NV * W of the first ``n`` weights of R rows times a block's values: per (row,
 // dim), FMAs key by key in position order from zero (float32; dims are independent lanes),
-// then added in double to ``total``; with SUM, each row's weights summed in key order too.
-template <int R, int NV, bool SUM, typename T>
+// then put into ``total``; with SUM, each row's weights summed in key order too.
+template <int R, int NV, bool SUM, typename T, typename Acc>
 inline void values_pass(const float* const* p, const T* const* values, int64_t c, int n,
-                        double* const* total, float* sum) {
+                        Acc* const* total, float* sum) {
   vf acc[R][NV] = {};
   float ws[R] = {};
   for (int j = 0; j < n; ++j) {
@@ -297,16 +312,16 @@ inline void values_pass(const float* const* p, const T* const* values, int64_t c
   }
   for (int r = 0; r < R; ++r) {
     if (SUM) sum[r] = ws[r];
-    for (int i = 0; i < NV; ++i) add_in_double(total[r] + c + i * W, acc[r][i]);
+    for (int i = 0; i < NV; ++i) put(total[r] + c + i * W, acc[r][i]);
   }
 }
 
-// The first ``n`` weights of R rows times a block's values, added in double to ``total``;
-// the weights' sum (float32, in key order) added to ``sums``. head_dim is a multiple of 32:
-// passes of VECS vectors, and under AVX-512 one of 2 for the last 32 dims where 64 do not fit.
-template <int R, typename T>
+// The first ``n`` weights of R rows times a block's values, put into ``total``; the weights'
+// sum (float32, in key order) put into ``sums``. head_dim is a multiple of 32: passes of VECS
+// vectors, and under AVX-512 one of 2 for the last 32 dims where 64 do not fit.
+template <int R, typename T, typename Acc>
 inline void block_values(const float* const* p, const T* const* values, int64_t dim, int n,
-                         double* const* total, double* const* sums) {
+                         Acc* const* total, Acc* const* sums) {
   float sum[R];
   int64_t c;
   if (dim >= VECS * W) {
@@ -318,7 +333,7 @@ inline void block_values(const float* const* p, const T* const* values, int64_t 
     c = 2 * W;
   }
   for (; c < dim; c += 2 * W) values_pass<R, 2, false>(p, values, c, n, total, nullptr);
-  for (int r = 0; r < R; ++r) *sums[r] += sum[r];
+  for (int r = 0; r < R; ++r) put_sum(sums[r], sum[r]);
 }
 
 // Calls f(std::integral_constant<int, R>(), o) for rows o..o + R - 1 of ``n``, in register
@@ -373,21 +388,21 @@ inline void prefetch_block(const Args<scalar_t>& a, const scalar_t* base, int64_
   }
 }
 
-// Walks the blocks of an item's tokens in position order, handing ``visit`` each run of
-// tokens that read the same block (consecutive in item order with equal slots: decodes under
-// a shared prefix, a prefill tile) with the block's rows in the pool of KV head ``h``. With
+// Walks blocks b_lo..b_hi - 1 of an item's tokens in position order, handing ``visit`` each
+// run of tokens that read the same block (consecutive in item order with equal slots: decodes
+// under a shared prefix, a prefill tile) with the block's rows in the pool of KV head ``h``. With
 // ``by_length`` a run also ends where the number of keys a token uses in the block changes.
 // With ``ahead`` each sequence's next block is asked for as its block is reached (a unit over
 // one KV head; a unit over several asks head by head, see attend_unit).
 template <typename scalar_t, typename Visit>
 void for_each_run(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int64_t first,
-                  int64_t count, int64_t nb, bool by_length, std::vector<int64_t>& run,
-                  Visit visit, bool ahead) {
+                  int64_t count, int64_t b_lo, int64_t b_hi, bool by_length,
+                  std::vector<int64_t>& run, Visit visit, bool ahead) {
   int64_t slots[BLOCK], held[BLOCK];
   held[0] = -1;  // no slot is negative: the first block is always located
   const scalar_t* rows[BLOCK];
   const scalar_t* const* view = rows;
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = b_lo; b < b_hi; ++b) {
     int32_t seq_at = -1;
     int n_at = -1;
     run.clear();
@@ -397,7 +412,7 @@ void for_each_run(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int6
       const int n = static_cast<int>(std::min<int64_t>(BLOCK, a.q_pos[t] + 1 - b * BLOCK));
       if (a.q_seq[t] != seq_at) {
         seq_at = a.q_seq[t];
-        if (ahead && b + 1 < nb) prefetch_block(a, base, h, seq_at, b + 1, slots);
+        if (ahead && b + 1 < b_hi) prefetch_block(a, base, h, seq_at, b + 1, slots);
         block_slots(a, seq_at, b, slots);
         if (std::memcmp(slots, held, sizeof slots) != 0) {
           if (!run.empty()) visit(b, run, view);
@@ -421,46 +436,99 @@ void for_each_run(const Args<scalar_t>& a, const scalar_t* base, int64_t h, int6
 struct Scratch {
   std::vector<float> qs, s, copy;
   std::vector<double> total, sums;
-  // per row of a run: its query (scores) or its weights (values), its scores, total and sum
+  // per row of a run: its query (scores) or its weights (values), its scores, and where its
+  // block's sums go: the running totals (a whole unit) or the block's partials (a part)
   std::vector<const float*> in;
   std::vector<float*> scores;
   std::vector<double*> totals, sums_at;
+  std::vector<float*> partials, partial_sums;
   std::vector<int64_t> run;
   std::vector<int64_t> asked;  // per head of a unit: the (block, sequence) last asked for
 };
 
-// One work unit (``count`` query tokens from ``first`` in item order) against ``nh`` KV heads
-// from ``h0``: each block is computed for every head in turn, so its pages are read as whole
-// token rows. Row r is head h0 + r / (count * g), token r % (count * g) / g, query head r % g.
-template <typename scalar_t>
-void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t h0, int64_t nh,
-                 Scratch& w) {
-  const int64_t g = a.group, dim = a.dim, hq = a.hkv * g, per_head = count * g;
-  const int64_t rows = per_head * nh;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < count; ++i)
-    max_len = std::max<int64_t>(max_len, a.q_pos[a.order[first + i]] + 1);
-  const int64_t nb = (max_len + BLOCK - 1) / BLOCK, width = nb * BLOCK;
+// How much of a unit one call computes: all of it, or one part of its blocks in one of two
+// phases (scores and their maximum over the part's keys; then, once every part's maximum is
+// known, weights and values, each block's float32 sums kept apart for ``finish_row``).
+enum class Phase { WHOLE, SCORES, VALUES };
+
+// What the parts of a unit cut by blocks share between the phases (in buffers run allocates).
+struct SharedUnit {
+  float* scores;        // [rows, width]
+  float* maxima;        // [parts, rows]: each part's maximum over its keys, per row
+  float* partial;       // [rows, nb, dim]: each block's float32 sums of weights times values
+  float* partial_sums;  // [rows, nb]: each block's float32 sum of weights
+  int64_t parts;
+};
+
+// The shape of one work unit (``count`` query tokens from ``first`` in item order) against
+// ``nh`` KV heads from ``h0``. Row r is head h0 + r / (count * g), token r % (count * g) / g,
+// query head r % g.
+struct UnitShape {
+  int64_t first, count, h0, nh;
+  int64_t g, per_head, rows, nb, width;
+
+  template <typename scalar_t>
+  UnitShape(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t h0, int64_t nh)
+      : first(first), count(count), h0(h0), nh(nh), g(a.group), per_head(count * a.group),
+        rows(count * a.group * nh) {
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < count; ++i)
+      max_len = std::max<int64_t>(max_len, a.q_pos[a.order[first + i]] + 1);
+    nb = (max_len + BLOCK - 1) / BLOCK;
+    width = nb * BLOCK;
+  }
+  template <typename scalar_t>
+  int64_t token(const Args<scalar_t>& a, int64_t r) const {
+    return a.order[first + r % per_head / g];
+  }
   // where row r's query is read and its output written
-  const auto at = [&](int64_t r) {
-    const int64_t t = a.order[first + r % per_head / g];
-    return (t * hq + (h0 + r / per_head) * g + r % g) * dim;
-  };
+  template <typename scalar_t>
+  int64_t at(const Args<scalar_t>& a, int64_t r) const {
+    return (token(a, r) * a.hkv * g + (h0 + r / per_head) * g + r % g) * a.dim;
+  }
+};
+
+// Keys lo..hi - 1 of a score row: their exact maximum (eight lanes, then the rest; a maximum
+// is the same in any order, so parts of a row may take theirs apart and combine them).
+inline float max_of(const float* row, int64_t lo, int64_t hi) {
+  const int64_t full = lo + std::max<int64_t>(0, hi - lo) / LANES * LANES;
+  v8f mv = splat<v8f>(-__builtin_inff());
+  for (int64_t c = lo; c < full; c += LANES) {
+    const v8f x = load<v8f>(row + c);
+    mv = x > mv ? x : mv;
+  }
+  float m = -__builtin_inff();
+  for (int l = 0; l < LANES; ++l) m = std::max(m, mv[l]);
+  for (int64_t c = full; c < hi; ++c) m = std::max(m, row[c]);
+  return m;
+}
+
+// One work unit, or (with ``P`` other than WHOLE) one phase of its blocks b_lo..b_hi - 1, over
+// the unit's ``nh`` KV heads: each block is computed for every head in turn, so its pages are
+// read as whole token rows.
+template <typename scalar_t, Phase P = Phase::WHOLE>
+void attend_unit(const Args<scalar_t>& a, const UnitShape& u, Scratch& w,
+                 const SharedUnit* shared = nullptr, int64_t part = 0, int64_t b_lo = 0,
+                 int64_t b_hi = -1) {
+  const int64_t g = u.g, dim = a.dim, per_head = u.per_head, rows = u.rows, nb = u.nb;
+  const int64_t width = u.width, first = u.first, count = u.count, h0 = u.h0, nh = u.nh;
+  if (b_hi < 0) b_hi = nb;
+  const auto length = [&](int64_t r) -> int64_t { return a.q_pos[u.token(a, r)] + 1; };
 
   // (a row's scores are written before they are read: its own blocks, nothing past them)
-  w.qs.resize(rows * dim);
-  w.s.resize(rows * width);
+  if constexpr (P == Phase::WHOLE) {
+    w.s.resize(rows * width);
+    w.total.assign(rows * dim, 0.0);
+    w.sums.assign(rows, 0.0);
+  }
+  float* const s = P == Phase::WHOLE ? w.s.data() : shared->scores;
   if constexpr (!std::is_same_v<scalar_t, float>) w.copy.resize(BLOCK * dim);
-  w.total.assign(rows * dim, 0.0);
-  w.sums.assign(rows, 0.0);
   w.in.resize(per_head);
   w.scores.resize(per_head);
   w.totals.resize(per_head);
   w.sums_at.resize(per_head);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = a.q + at(r);
-    for (int64_t e = 0; e < dim; ++e) w.qs[r * dim + e] = src[e] * a.scale;
-  }
+  w.partials.resize(per_head);
+  w.partial_sums.resize(per_head);
 
   // Over several heads, the next block of ``base`` is asked for one head at a time, just
   // before that head's share of this block is computed: 64 rows of one head (128 lines of
@@ -469,17 +537,17 @@ void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t 
   // one head against 9.4 in bursts of three (same bits).
   const auto ask_next = [&](const scalar_t* base, int64_t b, int64_t hh,
                             const std::vector<int64_t>& tokens) {
-    if (nh == 1 || b + 1 >= nb) return;
+    if (nh == 1 || b + 1 >= b_hi) return;
     int64_t slots[BLOCK];
     for (const int64_t i : tokens) {
-      const int64_t s = a.q_seq[a.order[first + i]], key = ((b + 1) << 32) + s;
+      const int64_t sq = a.q_seq[a.order[first + i]], key = ((b + 1) << 32) + sq;
       if (w.asked[hh] == key) continue;
       w.asked[hh] = key;
-      prefetch_block(a, base, h0 + hh, static_cast<int32_t>(s), b + 1, slots);
+      prefetch_block(a, base, h0 + hh, static_cast<int32_t>(sq), b + 1, slots);
     }
   };
-  // Calls f(head, n, keys or values of the block for that head) after pointing w.in, w.scores,
-  // w.totals and w.sums_at at the n rows of ``tokens`` for that head.
+  // Calls f(n, keys or values of the block for that head) for each head after pointing w.in,
+  // w.scores and the sums' destinations at the n rows of ``tokens`` for that head.
   const scalar_t* shifted[BLOCK];
   const auto per_head_of_block = [&](const scalar_t* base, int64_t b,
                                      const std::vector<int64_t>& tokens,
@@ -491,73 +559,114 @@ void attend_unit(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t 
       int64_t n = 0;
       for (const int64_t i : tokens)
         for (int64_t r = hh * per_head + i * g; r < hh * per_head + (i + 1) * g; ++r, ++n) {
-          w.in[n] = w.qs.data() + r * dim;
-          w.scores[n] = w.s.data() + r * width + b * BLOCK;
-          w.totals[n] = w.total.data() + r * dim;
-          w.sums_at[n] = &w.sums[r];
+          if constexpr (P != Phase::VALUES) w.in[n] = w.qs.data() + r * dim;
+          w.scores[n] = s + r * width + b * BLOCK;
+          if constexpr (P == Phase::VALUES) {
+            w.partials[n] = shared->partial + (r * nb + b) * dim;
+            w.partial_sums[n] = shared->partial_sums + r * nb + b;
+          } else {
+            w.totals[n] = w.total.data() + r * dim;
+            w.sums_at[n] = &w.sums[r];
+          }
         }
       f(n, hh > 0 ? static_cast<const scalar_t* const*>(shifted) : block);
     }
   };
 
-  w.asked.assign(nh, -1);
-  for_each_run(a, a.k, h0, first, count, nb, false, w.run,
-               [&](int64_t b, const std::vector<int64_t>& tokens, const scalar_t* const* block) {
-                 per_head_of_block(a.k, b, tokens, block, [&](int64_t n, const scalar_t* const* k) {
-                   with_rows(k, n, dim, w.copy, [&](auto keys) {
-                     in_tiles(n, [&](auto tile, int64_t o) {
-                       block_scores<decltype(tile)::value>(&w.in[o], keys, dim, &w.scores[o]);
+  if constexpr (P != Phase::VALUES) {
+    w.qs.resize(rows * dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = a.q + u.at(a, r);
+      for (int64_t e = 0; e < dim; ++e) w.qs[r * dim + e] = src[e] * a.scale;
+    }
+    w.asked.assign(nh, -1);
+    for_each_run(a, a.k, h0, first, count, b_lo, b_hi, false, w.run,
+                 [&](int64_t b, const std::vector<int64_t>& tokens, const scalar_t* const* block) {
+                   per_head_of_block(a.k, b, tokens, block,
+                                     [&](int64_t n, const scalar_t* const* k) {
+                     with_rows(k, n, dim, w.copy, [&](auto keys) {
+                       in_tiles(n, [&](auto tile, int64_t o) {
+                         block_scores<decltype(tile)::value>(&w.in[o], keys, dim, &w.scores[o]);
+                       });
                      });
                    });
-                 });
-               }, nh == 1);
+                 }, nh == 1);
+  }
+  if constexpr (P == Phase::SCORES) {
+    for (int64_t r = 0; r < rows; ++r)
+      shared->maxima[part * rows + r] =
+          max_of(s + r * width, b_lo * BLOCK, std::min(length(r), b_hi * BLOCK));
+    return;
+  }
 
   // the values' first block is on its way while the maxima and exps are computed
   {
     int64_t slots[BLOCK];
     int32_t seq_at = -1;
     for (int64_t i = 0; i < count; ++i) {
-      const int32_t s = a.q_seq[a.order[first + i]];
-      if (s != seq_at) prefetch_block(a, a.v, h0, seq_at = s, 0, slots, nh);
+      const int32_t sq = a.q_seq[a.order[first + i]];
+      if (sq != seq_at) prefetch_block(a, a.v, h0, seq_at = sq, b_lo, slots, nh);
     }
   }
 
   // each row: its exact maximum over keys 0..pos, then exp over its whole blocks
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = a.q_pos[a.order[first + r % per_head / g]] + 1;
-    const int64_t full = len / LANES * LANES, span = (len + BLOCK - 1) / BLOCK * BLOCK;
-    float* row = w.s.data() + r * width;
-    v8f mv = splat<v8f>(-__builtin_inff());
-    for (int64_t c = 0; c < full; c += LANES) {
-      const v8f x = load<v8f>(row + c);
-      mv = x > mv ? x : mv;
-    }
+    const int64_t len = length(r), span = (len + BLOCK - 1) / BLOCK * BLOCK;
+    float* row = s + r * width;
     float m = -__builtin_inff();
-    for (int l = 0; l < LANES; ++l) m = std::max(m, mv[l]);
-    for (int64_t c = full; c < len; ++c) m = std::max(m, row[c]);
+    if constexpr (P == Phase::WHOLE) {
+      m = max_of(row, 0, len);
+    } else {
+      for (int64_t p = 0; p < shared->parts; ++p) m = std::max(m, shared->maxima[p * rows + r]);
+    }
     const vf mm = splat<vf>(m);
-    for (int64_t c = 0; c < span; c += W) store(row + c, vexp<vf, vi>(load<vf>(row + c) - mm));
+    for (int64_t c = b_lo * BLOCK; c < std::min(span, b_hi * BLOCK); c += W)
+      store(row + c, vexp<vf, vi>(load<vf>(row + c) - mm));
   }
 
   w.asked.assign(nh, -1);
-  for_each_run(a, a.v, h0, first, count, nb, true, w.run,
+  for_each_run(a, a.v, h0, first, count, b_lo, b_hi, true, w.run,
                [&](int64_t b, const std::vector<int64_t>& tokens, const scalar_t* const* block) {
                  const int64_t pos = a.q_pos[a.order[first + tokens[0]]];
                  const int n = static_cast<int>(std::min<int64_t>(BLOCK, pos + 1 - b * BLOCK));
                  per_head_of_block(a.v, b, tokens, block, [&](int64_t m, const scalar_t* const* v) {
                    with_rows(v, m, dim, w.copy, [&](auto values) {
                      in_tiles(m, [&](auto tile, int64_t o) {
-                       block_values<decltype(tile)::value>(&w.scores[o], values, dim, n,
-                                                           &w.totals[o], &w.sums_at[o]);
+                       if constexpr (P == Phase::VALUES)
+                         block_values<decltype(tile)::value>(&w.scores[o], values, dim, n,
+                                                             &w.partials[o], &w.partial_sums[o]);
+                       else
+                         block_values<decltype(tile)::value>(&w.scores[o], values, dim, n,
+                                                             &w.totals[o], &w.sums_at[o]);
                      });
                    });
                  });
                }, nh == 1);
 
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = a.out + at(r);
-    for (int64_t e = 0; e < dim; ++e) o[e] = static_cast<float>(w.total[r * dim + e] / w.sums[r]);
+  if constexpr (P == Phase::WHOLE) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = a.out + u.at(a, r);
+      for (int64_t e = 0; e < dim; ++e)
+        o[e] = static_cast<float>(w.total[r * dim + e] / w.sums[r]);
+    }
   }
+}
+
+// Row r of a unit computed in parts: its blocks' float32 partials added in double in block
+// order, from zero, as a whole unit adds them as it goes; then the division.
+template <typename scalar_t>
+void finish_row(const Args<scalar_t>& a, const UnitShape& u, const SharedUnit& shared,
+                int64_t r, std::vector<double>& total) {
+  const int64_t dim = a.dim, blocks = (a.q_pos[u.token(a, r)] + BLOCK) / BLOCK;
+  total.assign(dim, 0.0);
+  double sum = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* p = shared.partial + (r * u.nb + b) * dim;
+    for (int64_t e = 0; e < dim; ++e) total[e] = total[e] + static_cast<double>(p[e]);
+    sum += shared.partial_sums[r * u.nb + b];
+  }
+  float* o = a.out + u.at(a, r);
+  for (int64_t e = 0; e < dim; ++e) o[e] = static_cast<float>(total[e] / sum);
 }
 
 // Does nothing to the tokens before they are attended (``exact_attention``: q, K and V are
@@ -603,12 +712,59 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
     }
   }
   const int64_t work = static_cast<int64_t>(units.size());
+  std::vector<UnitShape> shapes;
+  for (const Unit& u : units)
+    shapes.emplace_back(a, cuts[u.piece], cuts[u.piece + 1] - cuts[u.piece], u.head, u.heads);
+  // Too few units for the threads (a lone decode or verify: one unit per KV head, three of
+  // them on two threads): each unit's blocks are cut into parts that threads take apart, in
+  // two phases with a barrier after each (every part's scores and maximum; then its weights
+  // and values, each block's sums kept), then every row's blocks added in block order. The
+  // additions are the ones a whole unit makes, in the same order: the same bits.
+  int64_t want = 1;
+  if (threads > 1 && work < 2 * threads) {
+    want = (kPartTasksPerThread * threads + work - 1) / work;
+    while ((want * work) % threads != 0) ++want;  // whole rounds of tasks, where parts allow
+  }
+  std::vector<int64_t> parts(work, 1);
+  bool split = false;
+  for (int64_t i = 0; i < work; ++i) {
+    parts[i] = std::max<int64_t>(1, std::min<int64_t>(want, shapes[i].nb / kMinPartBlocks));
+    split = split || parts[i] > 1;
+  }
+  struct Task {
+    int64_t unit, part, b_lo, b_hi;
+  };
+  std::vector<Task> tasks;
+  std::vector<SharedUnit> shared;
+  std::vector<float> buffer;
+  std::vector<int64_t> row_start{0};  // the finishing pass's rows, unit by unit
+  if (split) {
+    std::vector<int64_t> offsets;
+    int64_t size = 0;
+    for (int64_t i = 0; i < work; ++i) {
+      const UnitShape& u = shapes[i];
+      offsets.push_back(size);
+      size += u.rows * (u.width + parts[i] + u.nb * a.dim + u.nb);
+      for (int64_t p = 0; p < parts[i]; ++p)
+        tasks.push_back({i, p, u.nb * p / parts[i], u.nb * (p + 1) / parts[i]});
+      row_start.push_back(row_start.back() + u.rows);
+    }
+    buffer.resize(size);
+    for (int64_t i = 0; i < work; ++i) {
+      const UnitShape& u = shapes[i];
+      float* at = buffer.data() + offsets[i];
+      float* maxima = at + u.rows * u.width;
+      float* partial = maxima + u.rows * parts[i];
+      shared.push_back({at, maxima, partial, partial + u.rows * u.nb * a.dim, parts[i]});
+    }
+  }
+  const int64_t claims = split ? static_cast<int64_t>(tasks.size()) : work;
   std::atomic<int64_t> next{0};
-  // Units are claimed dynamically (they differ in cost); which thread runs one never
-  // changes what it computes. One parallel region of ``threads`` threads per call, whatever
-  // torch's own thread setting (a decode step's attention is worth both cores).
+  // Units (or parts) are claimed dynamically (they differ in cost); which thread runs one
+  // never changes what it computes. One parallel region of ``threads`` threads per call,
+  // whatever torch's own thread setting (a decode step's attention is worth both cores).
   const int nt = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(threads, std::max(work, tokens))));
+      std::max<int64_t>(1, std::min<int64_t>(threads, std::max(claims, tokens))));
 #pragma omp parallel num_threads(nt)
   {
     if constexpr (Prepare::kActive) {
@@ -616,9 +772,31 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
       for (int64_t t = 0; t < tokens; ++t) prepare(t);
     }  // implicit barrier: every token's K and V is in the pool before any is read
     Scratch scratch;
-    for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1)) {
-      const Unit& u = units[w];
-      attend_unit(a, cuts[u.piece], cuts[u.piece + 1] - cuts[u.piece], u.head, u.heads, scratch);
+    if (!split) {
+      for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1))
+        attend_unit(a, shapes[w], scratch);
+    } else {
+      std::vector<int64_t> mine;  // a thread's parts: their scores are still in its caches
+      for (int64_t w = next.fetch_add(1); w < claims; w = next.fetch_add(1)) {
+        const Task& t = tasks[w];
+        attend_unit<scalar_t, Phase::SCORES>(a, shapes[t.unit], scratch, &shared[t.unit],
+                                             t.part, t.b_lo, t.b_hi);
+        mine.push_back(w);
+      }
+#pragma omp barrier
+      for (const int64_t w : mine) {
+        const Task& t = tasks[w];
+        attend_unit<scalar_t, Phase::VALUES>(a, shapes[t.unit], scratch, &shared[t.unit],
+                                             t.part, t.b_lo, t.b_hi);
+      }
+#pragma omp barrier
+      std::vector<double> total;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < row_start.back(); ++r) {
+        const int64_t i = std::upper_bound(row_start.begin(), row_start.end(), r) -
+                          row_start.begin() - 1;
+        finish_row(a, shapes[i], shared[i], r - row_start[i], total);
+      }
     }
   }
 }

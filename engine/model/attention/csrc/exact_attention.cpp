@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -64,10 +65,12 @@ constexpr int VECS = 4;
 constexpr int DIM_MULTIPLE = 32;  // head_dim: whole passes of values (native.HEAD_DIM_MULTIPLE)
 constexpr int64_t kMaxDim = 512;  // head_dim the fused RoPE's stack buffer holds
 constexpr int64_t kWholeRowTokens = 8;  // pieces up to this many tokens may take all KV heads
-// A call with fewer units than twice its threads cuts them into parts of at least this many
-// blocks, aiming at this many parts per thread (see run).
-constexpr int64_t kMinPartBlocks = 8;
+// A call with fewer units than twice its threads cuts them into parts, aiming at this many
+// parts per thread, each of at least this many blocks and this many (row, block) pairs (a
+// lone decode's three rows need 8 blocks, 512 keys, to pay for the barriers; see run).
 constexpr int64_t kPartTasksPerThread = 2;
+constexpr int64_t kMinPartBlocks = 3;
+constexpr int64_t kMinPartWork = 24;
 
 // x in every lane (written out: GCC compiles a lane-by-lane loop into masked inserts)
 template <typename V>
@@ -728,7 +731,9 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
   std::vector<int64_t> parts(work, 1);
   bool split = false;
   for (int64_t i = 0; i < work; ++i) {
-    parts[i] = std::max<int64_t>(1, std::min<int64_t>(want, shapes[i].nb / kMinPartBlocks));
+    const UnitShape& u = shapes[i];
+    parts[i] = std::max<int64_t>(
+        1, std::min({want, u.nb / kMinPartBlocks, u.rows * u.nb / kMinPartWork}));
     split = split || parts[i] > 1;
   }
   struct Task {
@@ -736,7 +741,7 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
   };
   std::vector<Task> tasks;
   std::vector<SharedUnit> shared;
-  std::vector<float> buffer;
+  std::unique_ptr<float[]> buffer;  // not zeroed: every value is written before it is read
   std::vector<int64_t> row_start{0};  // the finishing pass's rows, unit by unit
   if (split) {
     std::vector<int64_t> offsets;
@@ -749,10 +754,10 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
         tasks.push_back({i, p, u.nb * p / parts[i], u.nb * (p + 1) / parts[i]});
       row_start.push_back(row_start.back() + u.rows);
     }
-    buffer.resize(size);
+    buffer.reset(new float[size]);
     for (int64_t i = 0; i < work; ++i) {
       const UnitShape& u = shapes[i];
-      float* at = buffer.data() + offsets[i];
+      float* at = buffer.get() + offsets[i];
       float* maxima = at + u.rows * u.width;
       float* partial = maxima + u.rows * parts[i];
       shared.push_back({at, maxima, partial, partial + u.rows * u.nb * a.dim, parts[i]});

@@ -295,3 +295,34 @@ def test_a_long_lone_request_cut_into_parts_keeps_its_bits(
         assert torch.equal(alone[0], batched[s]), s
         want = reference(q[s], ks[s].to(dtype), vs[s].to(dtype), lens[s] - 1)
         torch.testing.assert_close(alone[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim, hkv, group", [(32, 2, 4), (96, 1, 8), (128, 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parts_keep_the_bits_at_other_head_shapes(
+    kernel: ModuleType, dim: int, hkv: int, group: int, dtype: torch.dtype
+) -> None:
+    """At head_dims and group sizes other than the model's, a lone decode and a lone verify
+    long enough to be cut into parts on two threads equal themselves on one thread (whole
+    units) and float64 softmax attention."""
+    page_size, length = 16, 1500
+    gen = torch.Generator().manual_seed(dim + hkv)
+    pages = length // page_size + 1
+    k_pool = torch.randn(pages + 2, page_size, hkv, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(pages + 2, page_size, hkv, dim, generator=gen).to(dtype)
+    table = random.Random(dim).sample(range(pages + 2), pages)
+    keys = k_pool[table].reshape(-1, hkv, dim).double()
+    values = v_pool[table].reshape(-1, hkv, dim).double()
+    scale = dim**-0.5
+    for rows in (1, 6):
+        q = torch.randn(rows, hkv * group, dim, generator=gen)
+        plan = native.plan_native([rows], [length], [table], CPU)
+        cut = native.attend(kernel, q, k_pool, v_pool, plan, group, scale, 2)
+        whole = native.attend(kernel, q, k_pool, v_pool, plan, group, scale, 1)
+        assert torch.equal(cut, whole), rows
+        for j in range(rows):
+            pos = length - rows + j
+            qq = q[j].double().view(hkv, group, dim)
+            p = (torch.einsum("hgd,lhd->hgl", qq, keys[: pos + 1]) * scale).softmax(-1)
+            want = torch.einsum("hgl,lhd->hgd", p, values[: pos + 1]).reshape(-1, dim)
+            torch.testing.assert_close(cut[j], want.float(), rtol=1e-5, atol=1e-5)

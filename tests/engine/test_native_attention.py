@@ -71,12 +71,21 @@ def attend(
     return native.attend(kernel, q, pool.k, pool.v, plan, G, SCALE, threads)
 
 
+def softmax_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, scale: float
+) -> torch.Tensor:
+    """Softmax attention in float64 for one query ``[hkv * group, dim]`` at ``pos`` over
+    ``keys``/``values`` ``[length, hkv, dim]``; float32 out."""
+    hkv, dim = keys.shape[1], keys.shape[2]
+    qq = q.double().view(hkv, -1, dim)
+    kk, vv = keys[: pos + 1].double(), values[: pos + 1].double()
+    s = torch.einsum("hgd,lhd->hgl", qq, kk) * scale
+    return torch.einsum("hgl,lhd->hgd", s.softmax(-1), vv).reshape(-1, dim).float()
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
     """Softmax attention in float64 for one query ``[HKV * G, D]`` at ``pos``."""
-    qq = q.double().view(HKV, G, D)
-    kk, vv = k[: pos + 1].double(), v[: pos + 1].double()
-    s = torch.einsum("hgd,lhd->hgl", qq, kk) * SCALE
-    return torch.einsum("hgl,lhd->hgd", s.softmax(-1), vv).reshape(HKV * G, D).float()
+    return softmax_attention(q, k, v, pos, SCALE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -169,14 +178,12 @@ def test_decodes_on_shared_prefix_pages_match_the_reference_and_a_lone_decode(
         batched = run(q, qo, lens, [0, 1, 2, 3, 4], threads)
         t = 0
         for s, (n, length) in enumerate(zip(qo, lens)):
-            keys = k_pool[tables[s]].reshape(-1, hkv, dim).double()
-            values = v_pool[tables[s]].reshape(-1, hkv, dim).double()
+            keys = k_pool[tables[s]].reshape(-1, hkv, dim)
+            values = v_pool[tables[s]].reshape(-1, hkv, dim)
             for j in range(n):
                 pos = length - n + j
-                qq = q[t].double().view(hkv, group, dim)
-                p = (torch.einsum("hgd,lhd->hgl", qq, keys[: pos + 1]) * scale).softmax(-1)
-                want = torch.einsum("hgl,lhd->hgd", p, values[: pos + 1]).reshape(-1, dim)
-                torch.testing.assert_close(batched[t], want.float(), rtol=1e-5, atol=1e-5)
+                want = softmax_attention(q[t], keys, values, pos, scale)
+                torch.testing.assert_close(batched[t], want, rtol=1e-5, atol=1e-5)
                 alone = run(q[t : t + 1], [1], [pos + 1], [s])
                 assert torch.equal(alone[0], batched[t]), (threads, s, j)
                 t += 1
@@ -311,8 +318,8 @@ def test_parts_keep_the_bits_at_other_head_shapes(
     k_pool = torch.randn(pages + 2, page_size, hkv, dim, generator=gen).to(dtype)
     v_pool = torch.randn(pages + 2, page_size, hkv, dim, generator=gen).to(dtype)
     table = random.Random(dim).sample(range(pages + 2), pages)
-    keys = k_pool[table].reshape(-1, hkv, dim).double()
-    values = v_pool[table].reshape(-1, hkv, dim).double()
+    keys = k_pool[table].reshape(-1, hkv, dim)
+    values = v_pool[table].reshape(-1, hkv, dim)
     scale = dim**-0.5
     for rows in (1, 6):
         q = torch.randn(rows, hkv * group, dim, generator=gen)
@@ -321,8 +328,5 @@ def test_parts_keep_the_bits_at_other_head_shapes(
         whole = native.attend(kernel, q, k_pool, v_pool, plan, group, scale, 1)
         assert torch.equal(cut, whole), rows
         for j in range(rows):
-            pos = length - rows + j
-            qq = q[j].double().view(hkv, group, dim)
-            p = (torch.einsum("hgd,lhd->hgl", qq, keys[: pos + 1]) * scale).softmax(-1)
-            want = torch.einsum("hgl,lhd->hgd", p, values[: pos + 1]).reshape(-1, dim)
-            torch.testing.assert_close(cut[j], want.float(), rtol=1e-5, atol=1e-5)
+            want = softmax_attention(q[j], keys, values, length - rows + j, scale)
+            torch.testing.assert_close(cut[j], want, rtol=1e-5, atol=1e-5)

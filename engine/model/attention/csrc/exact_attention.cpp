@@ -679,6 +679,53 @@ struct NoPrepare {
   void operator()(int64_t) const {}
 };
 
+// How a call's units are cut into parts of their blocks, when there are too few units for
+// the threads (a lone decode or verify: one unit per KV head, three of them on two threads):
+// the parts' tasks, the buffers their two phases share, and the rows the finishing pass adds
+// up. Each phase computes what a whole unit computes for those blocks, and the finishing pass
+// adds the blocks' float32 sums in double in block order, as a whole unit does as it goes:
+// the same bits. No tasks: the units run whole.
+struct Parts {
+  struct Task {
+    int64_t unit, part, b_lo, b_hi;
+  };
+  std::vector<Task> tasks;
+  std::vector<SharedUnit> shared;         // per unit
+  std::vector<int64_t> row_start{0};      // per unit, its first row in the finishing pass
+  std::unique_ptr<float[]> buffer;        // not zeroed: every value is written before it is read
+
+  template <typename scalar_t>
+  Parts(const Args<scalar_t>& a, const std::vector<UnitShape>& shapes, int threads) {
+    const int64_t work = static_cast<int64_t>(shapes.size());
+    if (threads <= 1 || work >= 2 * threads) return;
+    int64_t want = (kPartTasksPerThread * threads + work - 1) / work;
+    while ((want * work) % threads != 0) ++want;  // whole rounds of tasks, where parts allow
+    std::vector<int64_t> parts(work), offsets(work);
+    bool cut = false;
+    int64_t size = 0;
+    for (int64_t i = 0; i < work; ++i) {
+      const UnitShape& u = shapes[i];
+      parts[i] = std::max<int64_t>(
+          1, std::min({want, u.nb / kMinPartBlocks, u.rows * u.nb / kMinPartWork}));
+      cut = cut || parts[i] > 1;
+      offsets[i] = size;
+      size += u.rows * (u.width + parts[i] + u.nb * a.dim + u.nb);
+    }
+    if (!cut) return;
+    buffer.reset(new float[size]);
+    for (int64_t i = 0; i < work; ++i) {
+      const UnitShape& u = shapes[i];
+      for (int64_t p = 0; p < parts[i]; ++p)
+        tasks.push_back({i, p, u.nb * p / parts[i], u.nb * (p + 1) / parts[i]});
+      float* scores = buffer.get() + offsets[i];
+      float* maxima = scores + u.rows * u.width;
+      float* partial = maxima + u.rows * parts[i];
+      shared.push_back({scores, maxima, partial, partial + u.rows * u.nb * a.dim, parts[i]});
+      row_start.push_back(row_start.back() + u.rows);
+    }
+  }
+};
+
 // ``prepare(t)`` for every token t (split over the threads), then every token attended: one
 // parallel region, a barrier between the two (a prefill's tokens read each other's keys).
 template <typename scalar_t, typename Prepare = NoPrepare>
@@ -718,52 +765,9 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
   std::vector<UnitShape> shapes;
   for (const Unit& u : units)
     shapes.emplace_back(a, cuts[u.piece], cuts[u.piece + 1] - cuts[u.piece], u.head, u.heads);
-  // Too few units for the threads (a lone decode or verify: one unit per KV head, three of
-  // them on two threads): each unit's blocks are cut into parts that threads take apart, in
-  // two phases with a barrier after each (every part's scores and maximum; then its weights
-  // and values, each block's sums kept), then every row's blocks added in block order. The
-  // additions are the ones a whole unit makes, in the same order: the same bits.
-  int64_t want = 1;
-  if (threads > 1 && work < 2 * threads) {
-    want = (kPartTasksPerThread * threads + work - 1) / work;
-    while ((want * work) % threads != 0) ++want;  // whole rounds of tasks, where parts allow
-  }
-  std::vector<int64_t> parts(work, 1);
-  bool split = false;
-  for (int64_t i = 0; i < work; ++i) {
-    const UnitShape& u = shapes[i];
-    parts[i] = std::max<int64_t>(
-        1, std::min({want, u.nb / kMinPartBlocks, u.rows * u.nb / kMinPartWork}));
-    split = split || parts[i] > 1;
-  }
-  struct Task {
-    int64_t unit, part, b_lo, b_hi;
-  };
-  std::vector<Task> tasks;
-  std::vector<SharedUnit> shared;
-  std::unique_ptr<float[]> buffer;  // not zeroed: every value is written before it is read
-  std::vector<int64_t> row_start{0};  // the finishing pass's rows, unit by unit
-  if (split) {
-    std::vector<int64_t> offsets;
-    int64_t size = 0;
-    for (int64_t i = 0; i < work; ++i) {
-      const UnitShape& u = shapes[i];
-      offsets.push_back(size);
-      size += u.rows * (u.width + parts[i] + u.nb * a.dim + u.nb);
-      for (int64_t p = 0; p < parts[i]; ++p)
-        tasks.push_back({i, p, u.nb * p / parts[i], u.nb * (p + 1) / parts[i]});
-      row_start.push_back(row_start.back() + u.rows);
-    }
-    buffer.reset(new float[size]);
-    for (int64_t i = 0; i < work; ++i) {
-      const UnitShape& u = shapes[i];
-      float* at = buffer.get() + offsets[i];
-      float* maxima = at + u.rows * u.width;
-      float* partial = maxima + u.rows * parts[i];
-      shared.push_back({at, maxima, partial, partial + u.rows * u.nb * a.dim, parts[i]});
-    }
-  }
-  const int64_t claims = split ? static_cast<int64_t>(tasks.size()) : work;
+  const Parts parts(a, shapes, threads);
+  const bool split = !parts.tasks.empty();
+  const int64_t claims = split ? static_cast<int64_t>(parts.tasks.size()) : work;
   std::atomic<int64_t> next{0};
   // Units (or parts) are claimed dynamically (they differ in cost); which thread runs one
   // never changes what it computes. One parallel region of ``threads`` threads per call,
@@ -783,24 +787,24 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
     } else {
       std::vector<int64_t> mine;  // a thread's parts: their scores are still in its caches
       for (int64_t w = next.fetch_add(1); w < claims; w = next.fetch_add(1)) {
-        const Task& t = tasks[w];
-        attend_unit<scalar_t, Phase::SCORES>(a, shapes[t.unit], scratch, &shared[t.unit],
+        const Parts::Task& t = parts.tasks[w];
+        attend_unit<scalar_t, Phase::SCORES>(a, shapes[t.unit], scratch, &parts.shared[t.unit],
                                              t.part, t.b_lo, t.b_hi);
         mine.push_back(w);
       }
 #pragma omp barrier
       for (const int64_t w : mine) {
-        const Task& t = tasks[w];
-        attend_unit<scalar_t, Phase::VALUES>(a, shapes[t.unit], scratch, &shared[t.unit],
+        const Parts::Task& t = parts.tasks[w];
+        attend_unit<scalar_t, Phase::VALUES>(a, shapes[t.unit], scratch, &parts.shared[t.unit],
                                              t.part, t.b_lo, t.b_hi);
       }
 #pragma omp barrier
       std::vector<double> total;
+      const std::vector<int64_t>& starts = parts.row_start;
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < row_start.back(); ++r) {
-        const int64_t i = std::upper_bound(row_start.begin(), row_start.end(), r) -
-                          row_start.begin() - 1;
-        finish_row(a, shapes[i], shared[i], r - row_start[i], total);
+      for (int64_t r = 0; r < starts.back(); ++r) {
+        const int64_t i = std::upper_bound(starts.begin(), starts.end(), r) - starts.begin() - 1;
+        finish_row(a, shapes[i], parts.shared[i], r - starts[i], total);
       }
     }
   }

@@ -29,33 +29,9 @@ PLAIN = (
 )
 
 
-def is_command_block(node: ast.AST) -> bool:
-    """``if __name__ == "__main__":``: what runs only as ``python -m``, never on import."""
-    test = node.test if isinstance(node, ast.If) else None
-    return (
-        isinstance(test, ast.Compare)
-        and isinstance(test.left, ast.Name)
-        and test.left.id == "__name__"
-        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
-    )
-
-
-def importable_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node but those of command blocks: a command alias such as ``radix.bench`` may
-    reach up to the bench it names, the module it lives in may not."""
-    found, todo = [], [tree]
-    while todo:
-        node = todo.pop()
-        if is_command_block(node):
-            continue
-        found.append(node)
-        todo.extend(ast.iter_child_nodes(node))
-    return found
-
-
 def imported_modules(path: Path) -> set[str]:
     found = set()
-    for node in importable_nodes(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

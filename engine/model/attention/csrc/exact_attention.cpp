@@ -528,10 +528,13 @@ void attend_unit(const Args<scalar_t>& a, const UnitShape& u, Scratch& w,
   if constexpr (!std::is_same_v<scalar_t, float>) w.copy.resize(BLOCK * dim);
   w.in.resize(per_head);
   w.scores.resize(per_head);
-  w.totals.resize(per_head);
-  w.sums_at.resize(per_head);
-  w.partials.resize(per_head);
-  w.partial_sums.resize(per_head);
+  if constexpr (P == Phase::WHOLE) {
+    w.totals.resize(per_head);
+    w.sums_at.resize(per_head);
+  } else if constexpr (P == Phase::VALUES) {
+    w.partials.resize(per_head);
+    w.partial_sums.resize(per_head);
+  }
 
   // Over several heads, the next block of ``base`` is asked for one head at a time, just
   // before that head's share of this block is computed: 64 rows of one head (128 lines of
@@ -567,7 +570,7 @@ void attend_unit(const Args<scalar_t>& a, const UnitShape& u, Scratch& w,
           if constexpr (P == Phase::VALUES) {
             w.partials[n] = shared->partial + (r * nb + b) * dim;
             w.partial_sums[n] = shared->partial_sums + r * nb + b;
-          } else {
+          } else if constexpr (P == Phase::WHOLE) {
             w.totals[n] = w.total.data() + r * dim;
             w.sums_at[n] = &w.sums[r];
           }

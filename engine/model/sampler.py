@@ -47,9 +47,22 @@ def gumbel_noise(
     key = mix32((seeds >> 32) ^ 0x9E3779B9)
     key = mix32(key ^ (seeds & _M32))
     key = mix32(key ^ (steps & _M32))
-    h = mix32(key[:, None] ^ vocab_hash[None, :])
+    return -torch.log(-torch.log(uniform_of_hash(mix32(key[:, None] ^ vocab_hash[None, :]))))
+
+
+# The largest float32 below 1: the top of the uniforms, so the noise stays finite.
+_BELOW_ONE = 1.0 - 2.0**-24
+
+
+def uniform_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """Float32 uniforms strictly inside (0, 1) from 32-bit hashes (their top 24 bits).
+
+    ``m + 0.5`` rounds to ``2**24`` in float32 for the top value ``m = 2**24 - 1``, and a
+    uniform of exactly 1 is Gumbel noise of +inf: it would win over every logit, a masked
+    one (-inf + inf = NaN, which argmax picks) included. That one value is clamped below 1;
+    every other hash keeps the uniform it had."""
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    return u.clamp_(max=_BELOW_ONE)
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.model.sampler import Sampler, gumbel_noise, mix32
+from engine.model.sampler import Sampler, gumbel_noise, mix32, uniform_of_hash
 from scheduler import SamplingParams
 
 VOCAB = 50
@@ -147,6 +147,37 @@ def test_noise_is_a_pure_function_of_seed_step_and_index() -> None:
     )
     assert torch.isfinite(a).all()
     assert abs(float(a.mean()) - 0.5772) < 0.05  # Euler-Mascheroni: the Gumbel mean
+
+
+def test_uniforms_stay_strictly_inside_zero_one_for_every_hash() -> None:
+    top_bits = torch.arange(1 << 24, dtype=torch.int64) << 8  # every value the noise reads
+    u = uniform_of_hash(top_bits | 0xFF)
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+# Seed 433 at step 0 hashes token 36593 of a 49,152-token vocabulary to the top 24-bit value:
+# before the clamp, its noise was +inf and it was sampled through any mask.
+TOP_NOISE_SEED, TOP_NOISE_TOKEN, BIG_VOCAB = 433, 36593, 49152
+
+
+def test_the_top_noise_value_is_finite() -> None:
+    noise = gumbel_noise(torch.tensor([TOP_NOISE_SEED]), torch.tensor([0]), BIG_VOCAB)
+    assert torch.isfinite(noise).all()
+    assert int(noise.argmax()) == TOP_NOISE_TOKEN
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [{"top_k": 1}, {"top_p": 0.01}, {"logit_bias": {TOP_NOISE_TOKEN: -100.0}}],
+    ids=["top_k", "top_p", "logit_bias"],
+)
+def test_a_masked_token_is_never_sampled_at_the_top_noise(mask: dict[str, object]) -> None:
+    logits = torch.zeros(1, BIG_VOCAB)
+    logits[0, 7] = 30.0  # the only token top-k / top-p keep
+    params = SamplingParams(temperature=1.0, seed=TOP_NOISE_SEED, **mask)  # type: ignore[arg-type]
+    token = Sampler().sample(logits, [params], [0], [[1, 2]], [[]])
+    assert token.tolist() == [7]
 
 
 def test_mix32_is_a_32_bit_bijection_on_a_sample() -> None:

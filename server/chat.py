@@ -22,6 +22,7 @@ from engine import (
     RequestOutput,
     TokenLogprob,
     check_tools,
+    cut_tool_calls,
     is_call_reply,
     new_call_id,
     parse_tool_calls,
@@ -43,13 +44,18 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     messages = protocol.conversation(req.messages)
     calling, structure = False, None
     if req.tools:
+        reply = protocol.structured_outputs(req)  # the format of a reply that is not a call
         try:
             functions = check_tools(req.tools)
-            structure = tool_constraint(functions, req.tool_choice, req.parallel_tool_calls)
+            structure = tool_constraint(
+                functions, req.tool_choice, req.parallel_tool_calls, reply=reply
+            )
         except ValueError as exc:
             raise invalid(str(exc)) from None
         messages = with_tools(messages, functions)  # rendered whatever tool_choice says
-        calling = structure is not None
+        calling = structure is not reply  # tool_choice "none" leaves the reply's own format
+    elif req.tool_choice is not None:
+        raise invalid("tool_choice: only allowed when tools are given")
     ids = await state.encode(messages, "messages", [m["content"] for m in messages])
     if req.max_completion_tokens is not None:
         budget = TokenBudget("max_completion_tokens", req.max_completion_tokens)
@@ -61,7 +67,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         budget.tokens(len(ids), state.engine.max_context),
         top,
         renames={"max_new_tokens": budget.field, "logprobs": "top_logprobs"},
-        tool_structure=structure,
+        tools=bool(req.tools),
+        structure=structure,
     )
     choices = submit(state, [ids], ["messages"], params, budget, req.cache_salt, req.stream)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -75,10 +82,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
         reason = o.finish_reason
         calls = parse_tool_calls(o.text) if calling else None
-        if calls:
+        cut = cut_tool_calls(o.text) if calling and calls is None else []
+        if calls or cut:  # a call cut by max_tokens keeps its arguments as far as they got
             message = {"role": "assistant", "content": None,
-                       "tool_calls": [call.to_openai() for call in calls]}
-            reason = "tool_calls"
+                       "tool_calls": [call.to_openai() for call in calls or cut]}
+            reason = "tool_calls" if calls else reason
         items.append(
             _item(state, req, c, message, o.token_ids, o.logprobs or [], reason, key="message")
         )
@@ -132,24 +140,33 @@ async def _stream(
             yield chunk(_item(state, req, choice, role, [], [], None))
         async for u in updates(state, choices):
             stream = calls.get(u.choice.index)
+            ids, lps = u.token_ids, u.logprobs
+            if stream is not None:  # tokens held back with their text go with its first delta
+                ids, lps = stream.carry(ids, lps)
             if stream is not None and stream.reading(u.text):
-                for delta in stream.deltas():
-                    yield chunk(_item(state, req, u.choice, delta, [], [], None))
+                deltas = stream.deltas()
+                if u.output is not None and not stream.calls_sent and stream.held:
+                    deltas.append({"content": stream.take_held()})  # cut before it could tell
+                for delta in deltas:
+                    yield chunk(_item(state, req, u.choice, delta, ids, lps, None))
+                    ids, lps = [], []
                 if u.output is None:
+                    stream.hold(ids, lps)
                     continue
                 called = parse_tool_calls(u.output.text) is not None
                 reason = "tool_calls" if called else u.output.finish_reason
-                yield chunk(_item(state, req, u.choice, {}, u.token_ids, u.logprobs, reason))
+                yield chunk(_item(state, req, u.choice, {}, ids, lps, reason))
                 outputs.append(u.output)
                 continue
             text = u.text
             if stream is not None and stream.held:  # a plain reply: the text held so far
                 text = stream.take_held()
                 if u.output is not None:
-                    yield chunk(_item(state, req, u.choice, {"content": text}, [], [], None))
+                    yield chunk(_item(state, req, u.choice, {"content": text}, ids, lps, None))
+                    ids, lps = [], []
             delta = {"content": text} if u.output is None else {}
             reason = None if u.output is None else u.output.finish_reason
-            yield chunk(_item(state, req, u.choice, delta, u.token_ids, u.logprobs, reason))
+            yield chunk(_item(state, req, u.choice, delta, ids, lps, reason))
             if u.output is not None:
                 outputs.append(u.output)
         if with_usage:
@@ -169,6 +186,24 @@ class _CallStream:
         self._scanner = CallScanner()  # the reply so far, read once, while it may be a call
         self.is_call: bool | None = None
         self._sent: list[tuple[str, int]] = []  # per call: its id, argument characters sent
+        self._held_ids: list[int] = []  # tokens of updates that sent no chunk yet
+        self._held_lps: list[TokenLogprob] = []
+
+    @property
+    def calls_sent(self) -> bool:
+        return bool(self._sent)
+
+    def hold(self, ids: list[int], lps: list[TokenLogprob]) -> None:
+        """Keeps tokens no chunk carried, for the next chunk."""
+        self._held_ids, self._held_lps = ids, lps
+
+    def carry(
+        self, ids: list[int], lps: list[TokenLogprob]
+    ) -> tuple[list[int], list[TokenLogprob]]:
+        """The held tokens, then ``ids``/``lps``: the tokens the next chunk carries."""
+        ids, lps = [*self._held_ids, *ids], [*self._held_lps, *lps]
+        self._held_ids, self._held_lps = [], []
+        return ids, lps
 
     @property
     def held(self) -> str:

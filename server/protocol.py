@@ -109,11 +109,16 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """The JSON body as ``kind``; a 400 naming the field on a wrong type or a bad document."""
+    """The JSON body as ``kind``; a 400 naming the field on a wrong type or a bad document.
+    A top-level field sent as ``null`` is as if not sent: OpenAI's optional fields are
+    "or null", and clients pass their unset options through as null."""
     if not body.strip():
         raise invalid("the request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=kind)
+        fields = msgspec.json.decode(body)
+        if isinstance(fields, dict):
+            fields = {k: v for k, v in fields.items() if v is not None}
+        return msgspec.convert(fields, type=kind)
     except msgspec.ValidationError as exc:
         text = str(exc)
         found = _AT.search(text)
@@ -150,6 +155,8 @@ def conversation(messages: list[ChatMessage], field: str = "messages") -> list[d
                 f"{where}.role: {message.role!r} is not supported; expected one of "
                 f"{sorted(ROLES)}"
             )
+        if role == "tool" and not message.tool_call_id:
+            raise invalid(f"{where}.tool_call_id: a tool message answers a call; give its id")
         if role == "assistant" and message.tool_calls:
             out.append({"role": role, "content": calls_text(_calls(message.tool_calls, where))})
             continue
@@ -309,13 +316,16 @@ def choice_params(
     max_tokens: int,
     logprobs: int | None,
     renames: Mapping[str, str],
-    tool_structure: StructuredOutputsParams | None = None,
+    tools: bool = False,
+    structure: StructuredOutputsParams | None = None,
 ) -> list[SamplingParams]:
     """The engine's params for each of ``req.n`` choices. A seed advances per choice, so n
     seeded choices differ from each other and repeat across identical requests; unseeded
     choices share one SamplingParams (frozen), made and checked once. SamplingParams' own
     check is the request's: its ValueError names the field as the request does (``renames``:
-    the engine's name -> the request's, e.g. ``max_new_tokens`` -> ``max_tokens``)."""
+    the engine's name -> the request's, e.g. ``max_new_tokens`` -> ``max_tokens``). With
+    ``tools``, ``structure`` is what the tools made of the request's own format (it already
+    holds it); without, the request's format is read here."""
     if req.seed is not None and not 0 <= req.seed < 1 << 63:  # the engine's seed range
         # checked here: the per-choice seeds below wrap, and would hide a seed out of range
         raise invalid(f"seed: must be an integer in [0, 2**63), got {req.seed!r}")
@@ -323,11 +333,8 @@ def choice_params(
     top_k = req.top_k if req.top_k is not None else 0
     seeds = [None] if req.seed is None else [(req.seed + j) % (1 << 63) for j in range(req.n)]
     bias = logit_bias(req.logit_bias)
-    structure = structured_outputs(req)
-    if tool_structure is not None:
-        if structure is not None:
-            raise invalid("tools: cannot be combined with response_format or structured_outputs")
-        structure = tool_structure
+    if not tools:
+        structure = structured_outputs(req)
     try:
         made = [
             SamplingParams(

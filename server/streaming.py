@@ -106,6 +106,8 @@ async def wait(
         watcher.cancel()
         if not results.done():
             results.cancel()
+            # what the aborted handles raise into the cancelled gather is nobody's news
+            results.add_done_callback(lambda done: done.cancelled() or done.exception())
             abort(state, choices)
 
 

@@ -4,7 +4,8 @@ The tools are written into the system turn as JSON, one per line, after a fixed 
 a call is the model's whole reply, a compact JSON object ``{"tool_calls": [{"name": ...,
 "arguments": {...}}]}``, which structured outputs force to be valid for the tool's
 ``parameters`` schema (``required`` or a named tool: a call and nothing else; ``auto``: a call
-or a plain reply that does not start with ``{``). Everything is rendered byte-stable (fixed
+or a plain reply that does not start with ``{``, or one in the request's own format, e.g. the
+JSON schema of an agent's final answer). Everything is rendered byte-stable (fixed
 separators, arguments kept as the text the model generated), so an agent's step k+1 prompt
 begins with step k's prompt and reply and hits the cache. A model family with its own format
 plugs in the same way: a renderer and a parser.
@@ -97,30 +98,93 @@ def with_tools(messages: list[dict[str, str]], functions: list[dict[str, Any]]) 
 
 
 def tool_constraint(
-    functions: list[dict[str, Any]], choice: Any, parallel: bool = True, field: str = "tool_choice"
+    functions: list[dict[str, Any]],
+    choice: Any,
+    parallel: bool = True,
+    field: str = "tool_choice",
+    reply: StructuredOutputsParams | None = None,
 ) -> StructuredOutputsParams | None:
-    """What the reply must match: a call (``required``, a named function), a call or plain
-    text (``auto``), or anything (``none``)."""
-    if choice is None:
-        choice = "auto"
-    if isinstance(choice, Mapping):
-        name = (choice.get("function") or {}).get("name")
-        chosen = [f for f in functions if f["name"] == name]
-        if not chosen:
-            raise ValueError(
-                f"{field}.function.name: {name!r} is not one of the tools "
-                f"{[f['name'] for f in functions]}"
-            )
-        return StructuredOutputsParams(json=call_schema(chosen, parallel=False))
-    if choice not in CHOICES:
-        raise ValueError(f"{field}: expected one of {CHOICES} or a named function, got {choice!r}")
-    if choice == "none":
-        return None
-    schema = call_schema(functions, parallel)
-    if choice == "required":
+    """What the reply must match: a call (``required``, a named function), a call or a plain
+    reply (``auto``), or a plain reply (``none``); OpenAI's ``allowed_tools`` narrows the
+    tools of ``auto``/``required``. A plain reply follows ``reply`` where one is given (a
+    ``response_format`` beside tools: an agent's final answer), else any text that does not
+    start with ``{``."""
+    mode, chosen = _resolve_choice(functions, choice, field)
+    if mode == "none":
+        return reply
+    schema = call_schema(chosen, parallel and mode != "named")
+    if mode != "auto":
         return StructuredOutputsParams(json=schema)
-    grammar = "start: call | reply\ncall: %json " + json.dumps(schema) + "\nreply: /[^{](.|\\n)*/"
-    return StructuredOutputsParams(grammar=grammar)
+    return StructuredOutputsParams(
+        grammar=f"start: call | reply\ncall: %json {json.dumps(schema)}\nreply: "
+        + _reply_rule(reply)
+    )
+
+
+def _resolve_choice(
+    functions: list[dict[str, Any]], choice: Any, field: str
+) -> tuple[str, list[dict[str, Any]]]:
+    """``tool_choice`` as a mode (none, auto, required, named) and the tools it offers."""
+    if choice is None:
+        return "auto", functions
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise ValueError(
+                f"{field}: expected one of {CHOICES} or a named function, got {choice!r}"
+            )
+        return choice, functions
+    if not isinstance(choice, Mapping):
+        raise ValueError(f"{field}: expected one of {CHOICES} or an object, got {choice!r}")
+    kind = choice.get("type", "function")
+    if kind == "function":
+        return "named", _named(functions, choice.get("function"), f"{field}.function")
+    if kind == "allowed_tools":
+        allowed = choice.get("allowed_tools")
+        where = f"{field}.allowed_tools"
+        if not isinstance(allowed, Mapping):
+            raise ValueError(f"{where}: expected an object with a mode and tools")
+        mode = allowed.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise ValueError(f"{where}.mode: expected 'auto' or 'required', got {mode!r}")
+        tools = allowed.get("tools")
+        if not isinstance(tools, Sequence) or isinstance(tools, str) or not tools:
+            raise ValueError(f"{where}.tools: expected a non-empty list of tools")
+        chosen = []
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, Mapping) else None
+            chosen += _named(functions, function, f"{where}.tools[{i}].function")
+        return mode, chosen
+    raise ValueError(f"{field}.type: expected 'function' or 'allowed_tools', got {kind!r}")
+
+
+def _named(functions: list[dict[str, Any]], function: Any, where: str) -> list[dict[str, Any]]:
+    """The one tool ``{"name": ...}`` names."""
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{where}.name: expected the name of one of the tools")
+    chosen = [f for f in functions if f["name"] == function["name"]]
+    if not chosen:
+        raise ValueError(
+            f"{where}.name: {function['name']!r} is not one of the tools "
+            f"{[f['name'] for f in functions]}"
+        )
+    return chosen
+
+
+def _reply_rule(reply: StructuredOutputsParams | None) -> str:
+    """The grammar rule of a plain reply beside calls."""
+    if reply is None:
+        return "/[^{](.|\\n)*/"
+    if reply.json is not None:
+        schema = json.loads(reply.json) if isinstance(reply.json, str) else reply.json
+        return f"%json {json.dumps(schema)}"
+    if reply.json_object:
+        return '%json {"type": "object"}'
+    if reply.choice is not None:
+        return " | ".join(map(json.dumps, reply.choice))
+    raise ValueError(
+        f"structured_outputs.{reply.kind}: beside tools, a reply's format is a JSON schema, a "
+        f"JSON object or choices, not a {reply.kind}"
+    )
 
 
 def call_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -282,6 +346,14 @@ def parse_tool_calls(text: str) -> list[ToolCall] | None:
     return [ToolCall(new_call_id(), name, arguments) for name, arguments, _ in scan.calls]
 
 
+def cut_tool_calls(text: str) -> list[ToolCall]:
+    """The calls of a reply cut before its end (``max_tokens``), their arguments as far as the
+    model got (not valid JSON then): what a stream of the reply has sent. OpenAI's answer to
+    a call cut short: ``tool_calls`` with ``finish_reason`` "length"."""
+    return [ToolCall(new_call_id(), name, arguments) for name, arguments, _ in
+            scan_calls(text).calls]
+
+
 def calls_text(calls: Sequence[tuple[str, str]]) -> str:
     """An assistant turn that made ``calls`` ((name, arguments JSON text) pairs), rendered as
     the model generated it, so the history re-encodes to the same text."""
@@ -298,15 +370,10 @@ def offer_tools(
     """The functions of ``tools`` (checked once) and each of ``params`` constrained by
     ``tool_choice`` (changed copies of the frozen params; one copy per distinct params)."""
     functions = check_tools(tools)
-    structure = tool_constraint(functions, tool_choice)
-    if structure is None:
-        return functions, list(params)
     copies: dict[int, Any] = {}
-    for i, p in enumerate(params):
+    for p in params:
         if id(p) not in copies:
-            if p.structured_outputs is not None:
-                field = "params" if len(params) == 1 else f"params[{i}]"
-                raise ValueError(f"{field}.structured_outputs: cannot be combined with tools")
+            structure = tool_constraint(functions, tool_choice, reply=p.structured_outputs)
             copies[id(p)] = msgspec.structs.replace(p, structured_outputs=structure)
     return functions, [copies[id(p)] for p in params]
 

@@ -6,12 +6,19 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import msgspec
 import pytest
 from engine_helpers import assert_idle_accounting, greedy, user
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import CallScanner, calls_text, parse_tool_calls, scan_calls
+from engine import (
+    CallScanner,
+    StructuredOutputsParams,
+    calls_text,
+    parse_tool_calls,
+    scan_calls,
+)
 from engine.serving.tools import SEPARATORS
 
 WEATHER = {
@@ -69,6 +76,29 @@ def test_tools_need_conversations_and_a_known_named_tool(engine) -> None:
         engine.generate(user("hi"), greedy(4), tools=TOOLS,
                         tool_choice={"type": "function", "function": {"name": "nope"}})
     assert parse_tool_calls("plain reply") is None
+
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+
+
+def test_a_reply_format_beside_tools_holds_for_the_reply_that_is_not_a_call(engine) -> None:
+    """params.structured_outputs beside tools: a call, or a reply in that format."""
+    params = msgspec.structs.replace(greedy(60), structured_outputs=StructuredOutputsParams(
+        json=ANSWER))
+    for choice in ("auto", "none"):
+        [out] = engine.generate(user("Weather in Paris?"), params, tools=TOOLS,
+                                tool_choice=choice)
+        if out.tool_calls:
+            assert choice == "auto" and out.finish_reason == "tool_calls"
+        else:
+            jsonschema.validate(json.loads(out.text), ANSWER)
+    regex = msgspec.structs.replace(greedy(4), structured_outputs=StructuredOutputsParams(
+        regex="[a-z]+"))
+    with pytest.raises(ValueError, match=r"structured_outputs.regex: beside tools"):
+        engine.generate(user("hi"), regex, tools=TOOLS)
+    assert_idle_accounting(engine)
 
 
 @settings(max_examples=80, deadline=None)

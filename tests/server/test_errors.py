@@ -77,7 +77,8 @@ MATRIX = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"),
      400, "tool_choice"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                response_format={"type": "json_object"}), 400, "tools"),
+                structured_outputs={"regex": "[a-z]+"}), 400, "structured_outputs.regex"),
+    (CHAT, chat(tool_choice="none"), 400, "tool_choice"),
     (CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type"),
     (CHAT, chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema.schema"),
     (CHAT, chat(structured_outputs={"regex": "a("}), 400, "structured_outputs.regex"),
@@ -213,6 +214,30 @@ def test_unknown_fields_are_ignored_as_openai_does(server_url: str) -> None:
     )
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    "route,nulls",
+    [
+        (CHAT, ["n", "stream", "logprobs", "top_logprobs", "top_p", "stop", "seed",
+                "parallel_tool_calls", "tool_choice", "tools", "response_format", "ignore_eos",
+                "return_token_ids", "stream_options", "max_completion_tokens"]),
+        (COMPLETIONS, ["n", "stream", "echo", "logprobs", "suffix", "best_of", "top_p"]),
+    ],
+)
+def test_optional_fields_sent_as_null_are_as_if_not_sent(
+    server_url: str, route: str, nulls: list[str]
+) -> None:
+    """OpenAI's optional fields are "or null"; clients pass their unset options as null."""
+    base = chat(temperature=0) if route == CHAT else {"prompt": "hi", "max_tokens": 2,
+                                                       "temperature": 0}
+    plain = post(server_url + route, base)
+    with_nulls = post(server_url + route, {**base, **dict.fromkeys(nulls)})
+    assert plain.status_code == with_nulls.status_code == 200, with_nulls.text
+    key = "message" if route == CHAT else "text"
+    assert [c[key] for c in with_nulls.json()["choices"]] == [
+        c[key] for c in plain.json()["choices"]
+    ] and len(plain.json()["choices"]) == 1
 
 
 def test_server_keeps_serving_after_the_error_matrix(server_url: str) -> None:

@@ -148,3 +148,117 @@ def test_the_example_agent_loop_runs_and_every_step_hits_the_cache(client: opena
     for previous, step in zip(steps, steps[1:]):
         # the previous step's prompt at least (its reply and the results are new to it)
         assert step.cached_tokens >= previous.prompt_tokens // 16 * 16, (previous, step)
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+ANSWER_FORMAT = {"type": "json_schema",
+                 "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+
+
+def test_tools_beside_a_response_format_give_a_call_or_an_answer_in_that_format(
+    client: openai.OpenAI,
+) -> None:
+    """An agent with tools and a typed final answer (the Agents SDK sends both): never plain
+    text. tool_choice "none" leaves the answer's format alone."""
+    for choice in ("auto", "none"):
+        message = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60,
+            temperature=0, response_format=ANSWER_FORMAT,
+        ).choices[0].message
+        if message.tool_calls:
+            assert choice == "auto"
+            check_calls(message)
+        else:
+            jsonschema.validate(json.loads(message.content), ANSWER)
+
+
+def test_allowed_tools_narrow_the_calls_to_the_tools_named(client: openai.OpenAI) -> None:
+    message = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+        parallel_tool_calls=False,
+        tool_choice={"type": "allowed_tools", "allowed_tools": {
+            "mode": "required", "tools": [{"type": "function", "function": {"name": "add"}}]}},
+    ).choices[0].message
+    check_calls(message)
+    assert {call.function.name for call in message.tool_calls} == {"add"}
+
+
+@pytest.mark.parametrize(
+    "tool_choice,param",
+    [
+        ({"type": "function", "function": "add"}, "tool_choice.function.name"),
+        (["add"], "tool_choice"),
+        ({"type": "custom"}, "tool_choice.type"),
+        ({"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": []}},
+         "tool_choice.allowed_tools.mode"),
+    ],
+)
+def test_a_malformed_tool_choice_is_a_400_naming_the_field(
+    client: openai.OpenAI, tool_choice: object, param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8, tool_choice=tool_choice,
+        )
+    assert caught.value.body["param"] == param
+
+
+def test_tool_choice_without_tools_and_a_tool_message_without_its_call_id_are_400s(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8,
+                                       tool_choice="auto")
+    assert caught.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, max_tokens=8, tools=TOOLS,
+            messages=[*ASK, {"role": "tool", "content": '{"temperature": 18}'}],
+        )
+    assert caught.value.body["param"] == "messages[1].tool_call_id"
+
+
+def streamed(client: openai.OpenAI, **kwargs: object) -> tuple[str, dict[int, list[str]], int,
+                                                               str | None]:
+    """A streamed reply's content, each call's name and argument fragments, its logprob
+    entries and its finish reason."""
+    content, calls, logprobs, reason = "", {}, 0, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            entry = calls.setdefault(call.index, ["", ""])
+            entry[0] += call.function.name or ""
+            entry[1] += call.function.arguments or ""
+        logprobs += len(choice.logprobs.content or []) if choice.logprobs else 0
+        reason = choice.finish_reason or reason
+    return content, calls, logprobs, reason
+
+
+@pytest.mark.parametrize("max_tokens", [3, 20], ids=["before-a-name", "inside-the-arguments"])
+def test_a_reply_cut_short_streams_what_the_whole_reply_holds(
+    client: openai.OpenAI, max_tokens: int
+) -> None:
+    """Cut before it can tell it is a call, the text is the content; cut inside a call, the
+    call as far as it got (OpenAI: finish_reason "length"); streamed or not, the same, and the
+    stream carries a logprob for every token."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=max_tokens, temperature=0,
+                  logprobs=True, logit_bias={"107": 100})  # "{": the reply opens like a call
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    content, calls, logprobs, reason = streamed(client, **kwargs)
+    assert whole.finish_reason == reason == "length"
+    assert logprobs == len(whole.logprobs.content) == max_tokens
+    if whole.message.tool_calls:
+        assert max_tokens == 20 and content == "" and whole.message.content is None
+        assert {i: [c.function.name, c.function.arguments]
+                for i, c in enumerate(whole.message.tool_calls)} == calls
+    else:
+        assert max_tokens == 3 and content == whole.message.content and content.startswith("{")
+        assert calls == {}

@@ -84,7 +84,11 @@ class RemoteEngine:
 
     @property
     def max_context(self) -> int:
-        return int(self._front.config.max_position_embeddings)
+        """The model's context, or what a replica's KV pool holds for one request where that
+        is less (once a replica has reported its pool)."""
+        context = int(self._front.config.max_position_embeddings)
+        pool = self._pool_tokens()
+        return context if pool is None else min(context, pool + 1)
 
     @property
     def alive(self) -> bool:
@@ -103,7 +107,7 @@ class RemoteEngine:
         """Validates here, as an Engine does (ValueError naming the field), and starts the
         remote request."""
         pool = self._pool_tokens()  # None until a replica reported (the context bounds it)
-        pool = pool if pool is not None else self.max_context
+        pool = pool if pool is not None else int(self._front.config.max_position_embeddings)
         [(ids, p)] = self._prompts.prepare(prompt, params, namespace, pool, single=True)
         text = self.tokenizer.decode(ids)
         ids = ids if isinstance(ids, PromptIds) else PromptIds(ids)  # checked: replicas trust it

@@ -10,9 +10,9 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from server.errors import invalid, not_found, overloaded, too_large, unauthorized
+from server.errors import client_gone, invalid, not_found, overloaded, too_large, unauthorized
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -26,11 +26,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     chunks = []
     if size <= limit:
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                break
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+        except ClientDisconnect:  # nobody to answer, and nothing went wrong here
+            raise client_gone() from None
     if size > limit:
         raise too_large(f"the request body is over {limit} bytes (the server's --max-body-bytes)")
     return b"".join(chunks)

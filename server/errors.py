@@ -84,6 +84,12 @@ def overloaded(message: str, retry_after_s: int = 1) -> APIError:
     )
 
 
+def client_gone() -> APIError:
+    """The client left before its request was read (499, nginx's "client closed request"):
+    an answer nobody reads, and nothing for the log."""
+    return APIError(499, "the client closed the connection before sending its whole request")
+
+
 def engine_dead(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable_error", code="engine_dead")
 

@@ -59,20 +59,20 @@ class TokenBudget:
 
     def too_long(self, exc: ContextLengthError, where: str) -> APIError:
         """The engine's context-fit error in the server's words: 400
-        ``context_length_exceeded`` naming ``where``, the request's prompt field. A request
-        over the KV pool alone is the engine's message as it is."""
-        if exc.of_pool:
-            return from_engine(exc)
-        context, prompt = exc.limit, exc.prompt_tokens
+        ``context_length_exceeded`` naming ``where``, the request's prompt field (over the
+        model's context, or over what the KV pool holds for one request)."""
+        prompt = exc.prompt_tokens
+        # The pool's limit counts stored K/V: the last generated token is never stored.
+        context = exc.limit + 1 if exc.of_pool else exc.limit
+        whose = "this server's KV cache holds" if exc.of_pool else "this model's maximum context length is"
         if self.asked is None:
             message = (
-                f"{where}: this model's maximum context length is {context} tokens, and "
-                f"the prompt has {prompt}; shorten it"
+                f"{where}: {whose} {context} tokens for one request, and the prompt has "
+                f"{prompt}; shorten it"
             )
         else:
             message = (
-                f"{where}: this model's maximum context length is {context} tokens; the "
-                f"request asks for {prompt + exc.max_new_tokens} ({prompt} in the prompt, "
+                f"{where}: {whose} {context} tokens for one request; the request asks for {prompt + exc.max_new_tokens} ({prompt} in the prompt, "
                 f"{exc.max_new_tokens} for {self.field}); shorten the prompt or lower "
                 f"{self.field}"
             )
@@ -101,8 +101,8 @@ def submit(
                     handle = state.engine.submit(ids, sampling, namespace, stream=stream)
                 except ContextLengthError as exc:
                     raise budget.too_long(exc, fields[p]) from None
-                except ValueError as exc:
-                    raise from_engine(exc) from None
+                except ValueError as exc:  # the engine's namespace is the request's salt
+                    raise from_engine(exc, {"namespace": "cache_salt"}) from None
                 choices.append(Choice(p * len(params) + j, p, handle))
     except BaseException:
         for choice in choices:

@@ -260,9 +260,9 @@ def logit_bias(given: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as the engine's."""
     bias: dict[int, float] = {}
     for key, value in (given or {}).items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
             raise invalid(
-                f"logit_bias: keys must be token ids (as strings of digits), got {key!r}",
+                f"logit_bias: keys must be token ids (as strings of digits), got {key[:24]!r}",
                 param="logit_bias",
             )
         bias[int(key)] = value

@@ -91,24 +91,31 @@ class EventStreamResponse(StreamingResponse):
 async def wait(
     state: ServerState, request: Request, choices: list[Choice]
 ) -> list[RequestOutput] | None:
-    """Every choice's output, or None when the client left first (all aborted then)."""
-    results = asyncio.ensure_future(asyncio.gather(*(c.handle.aresult() for c in choices)))
+    """Every choice's output, or None when the client left first. Whatever ends the wait
+    (the client leaving, a choice failing, a cancellation), the choices still running are
+    aborted, and the outputs that came are observed: a choice that finished before the client
+    left has already given its output here, and nobody can take it again."""
+    finals = [asyncio.ensure_future(c.handle.aresult()) for c in choices]
+    everything = asyncio.gather(*finals)
     watcher = asyncio.ensure_future(client_gone(request.receive))
+    outputs: list[RequestOutput] | None = None
     try:
-        await asyncio.wait({results, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if results.done():
-            outputs = results.result()
-            for output in outputs:
-                state.metrics.observe(output)
-            return outputs
-        return None
+        await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if everything.done():
+            outputs = everything.result()
+        return outputs
     finally:
         watcher.cancel()
-        if not results.done():
-            results.cancel()
-            # what the aborted handles raise into the cancelled gather is nobody's news
-            results.add_done_callback(lambda done: done.cancelled() or done.exception())
-            abort(state, choices)
+        # what the cancelled or failed gather holds is nobody's news
+        everything.add_done_callback(lambda done: done.cancelled() or done.exception())
+        left = []
+        for choice, final in zip(choices, finals):
+            if not final.done():
+                final.cancel()
+                left.append(choice)
+            elif not final.cancelled() and final.exception() is None:
+                state.metrics.observe(final.result())
+        abort(state, left)
 
 
 async def updates(state: ServerState, choices: list[Choice]) -> AsyncIterator[Update]:
@@ -143,6 +150,11 @@ async def updates(state: ServerState, choices: list[Choice]) -> AsyncIterator[Up
     finally:
         for task in tasks:
             task.cancel()
+        while not queue.empty():  # outputs taken from their handles, not read here yet
+            choice, item = queue.get_nowait()
+            if isinstance(item, RequestOutput) and choice.index not in ended:
+                ended.add(choice.index)
+                state.metrics.observe(item)
         abort(state, [c for c in choices if c.index not in ended])
 
 
@@ -157,6 +169,8 @@ def abort(state: ServerState, choices: list[Choice]) -> None:
 
 
 async def _observe(state: ServerState, choices: list[Choice]) -> None:
-    for choice in choices:
+    async def one(choice: Choice) -> None:
         with contextlib.suppress(BaseException):
             state.metrics.observe(await choice.handle.aresult())
+
+    await asyncio.gather(*(one(choice) for choice in choices))  # none waits on another

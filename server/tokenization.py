@@ -40,6 +40,4 @@ async def detokenize(state: ServerState, request: Request) -> Response:
     body = await read_body(request, state.config.max_body_bytes)
     req = protocol.decode_body(body, protocol.DetokenizeRequest)
     check_model(req.model, state.config.names)
-    # encode checks the ids against the vocabulary (a 400 naming ``tokens``)
-    ids = state.engine.encode(req.tokens, field="tokens") if req.tokens else []
-    return JSONResponse({"prompt": state.engine.tokenizer.decode(ids)})
+    return JSONResponse({"prompt": await state.decode(req.tokens, "tokens")})

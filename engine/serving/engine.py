@@ -127,8 +127,10 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        """Prompt + generated tokens one request may hold (the model's context)."""
-        return int(self._config.max_position_embeddings)
+        """Prompt + generated tokens one request may hold: the model's context, or less where
+        the KV pool holds fewer (the last generated token is never stored)."""
+        pool = self._num_pages * self.page_size + 1
+        return min(int(self._config.max_position_embeddings), pool)
 
     @property
     def config(self) -> EngineConfig:

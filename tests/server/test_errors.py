@@ -72,6 +72,9 @@ MATRIX = [
     (CHAT, chat(logit_bias={"five": 10}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={str(10**9): 1}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"\u0661\u0662": 1}), 400, "logit_bias"),  # Arabic-Indic 12
+    (CHAT, chat(logit_bias={"\u00b2": 1}), 400, "logit_bias"),  # a superscript 2
+    (CHAT, chat(logit_bias={"9" * 5000: 1}), 400, "logit_bias"),
     (CHAT, chat(tools=[{"type": "function", "function": {}}]), 400, "tools[0].function.name"),
     (CHAT, chat(tools=[{"type": "retrieval"}]), 400, "tools[0].type"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"),
@@ -87,7 +90,7 @@ MATRIX = [
     (CHAT, chat(structured_outputs={"xml": "<a/>"}), 400, "structured_outputs.xml"),
     (COMPLETIONS, {"prompt": "a", "structured_outputs": {"choice": []}}, 400,
      "structured_outputs.choice"),
-    (CHAT, chat(cache_salt="x" * 300), 400, "namespace"),
+    (CHAT, chat(cache_salt="x" * 300), 400, "cache_salt"),
     (CHAT, chat(cache_salt=7), 400, "cache_salt"),
     (CHAT, chat(model="gpt-4o"), 404, "model"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt"),

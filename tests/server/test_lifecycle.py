@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -84,6 +85,32 @@ def test_non_streaming_client_that_disconnects_frees_its_pages_at_once(server_ur
     assert _aborted(server_url) == aborted + 1
     ok = httpx.post(server_url + CHAT, json=long_chat(max_tokens=2), timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_client_that_leaves_after_one_of_its_choices_finished_counts_every_choice(
+    server_url: str,
+) -> None:
+    """Choice 0 stops at once, choice 1 runs on when the client leaves: one finished, one
+    aborted, both counted (the finished output had been taken already; asking its handle
+    again waited forever and left both uncounted)."""
+    done, aborted = _finished(server_url), _aborted(server_url)
+    body = {"prompt": ["The capital of France is Paris. The capital of Germany is", "1, 2, 3,"],
+            "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stop": ["Berlin"]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server_url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=3))
+    assert wait_until(lambda: idle(server_url), 10), "pages still in use after disconnect"
+    assert wait_until(lambda: _finished(server_url) == done + 2, 5), (
+        _finished(server_url), done)
+    assert _aborted(server_url) == aborted + 1
+
+
+def _finished(url: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "radixkv:request_success_total":
+                total += sample.value
+    return total
 
 
 def _aborted(url: str) -> float:
@@ -172,6 +199,42 @@ def test_the_queue_limit_counts_every_completion_a_request_adds(guarded: ServerP
     body = {"prompt": "Hello", "max_tokens": 2}
     ok = httpx.post(guarded.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_pool_smaller_than_the_context_bounds_the_default_and_names_the_fields(
+    guarded: ServerProcess,
+) -> None:
+    """256 pages x 16 tokens hold 4,097 tokens of one request (the last is never stored), not
+    the model's 8,192: that is the context the server reports, chat's default budget, and a
+    request over it is context_length_exceeded naming its fields (was: every chat without
+    max_tokens refused, naming "prompt")."""
+    url = guarded.url
+    [model] = httpx.get(url + "/v1/models", headers=AUTH).json()["data"]
+    assert model["max_model_len"] == 256 * 16 + 1
+    ask = [{"role": "user", "content": "Say hi."}]
+    ok = httpx.post(url + CHAT, json={"messages": ask, "temperature": 0}, headers=AUTH,
+                    timeout=120)
+    assert ok.status_code == 200, ok.text
+    over = httpx.post(url + CHAT, json={"messages": ask, "max_tokens": 5000}, headers=AUTH)
+    error = over.json()["error"]
+    assert over.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == "messages" and "max_tokens" in error["message"]
+    assert "4097 tokens" in error["message"]
+
+
+def test_a_client_gone_during_its_upload_is_not_an_error_in_the_log(
+    guarded: ServerProcess,
+) -> None:
+    host, port = guarded.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer sekret\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"messages\"")
+        time.sleep(0.5)
+    time.sleep(0.5)
+    assert httpx.get(guarded.url + "/health").status_code == 200
+    assert "request failed" not in guarded.output()
+    assert "ClientDisconnect" not in guarded.output()
 
 
 def test_an_unusable_kv_disk_dir_is_a_usage_error_not_a_traceback(tmp_path: Any) -> None:

@@ -42,18 +42,19 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     req = await parse(state, request, ChatRequest)
     protocol.check_chat_only(req)
     messages = protocol.conversation(req.messages)
-    calling, structure = False, None
+    structure = protocol.structured_outputs(req)  # the format of a reply that is not a call
+    calling = False
     if req.tools:
-        reply = protocol.structured_outputs(req)  # the format of a reply that is not a call
         try:
             functions = check_tools(req.tools)
-            structure = tool_constraint(
-                functions, req.tool_choice, req.parallel_tool_calls, reply=reply
+            constraint = tool_constraint(
+                functions, req.tool_choice, req.parallel_tool_calls, reply=structure
             )
         except ValueError as exc:
             raise invalid(str(exc)) from None
         messages = with_tools(messages, functions)  # rendered whatever tool_choice says
-        calling = structure is not reply  # tool_choice "none" leaves the reply's own format
+        calling = constraint is not structure  # tool_choice "none" leaves the reply's format
+        structure = constraint
     elif req.tool_choice is not None:
         raise invalid("tool_choice: only allowed when tools are given")
     ids = await state.encode(messages, "messages", [m["content"] for m in messages])
@@ -67,7 +68,6 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         budget.tokens(len(ids), state.engine.max_context),
         top,
         renames={"max_new_tokens": budget.field, "logprobs": "top_logprobs"},
-        tools=bool(req.tools),
         structure=structure,
     )
     choices = submit(state, [ids], ["messages"], params, budget, req.cache_salt, req.stream)

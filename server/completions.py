@@ -40,7 +40,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     asked = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     budget = TokenBudget("max_tokens", asked)
     params = protocol.choice_params(
-        req, asked, req.logprobs, renames={"max_new_tokens": "max_tokens"}
+        req, asked, req.logprobs, renames={"max_new_tokens": "max_tokens"},
+        structure=protocol.structured_outputs(req),
     )
     echo = [_echo_text(state, p, ids) if req.echo else "" for p, ids in zip(prompts, token_ids)]
     choices = submit(state, token_ids, fields, params, budget, req.cache_salt, req.stream)

@@ -64,7 +64,10 @@ class TokenBudget:
         prompt = exc.prompt_tokens
         # The pool's limit counts stored K/V: the last generated token is never stored.
         context = exc.limit + 1 if exc.of_pool else exc.limit
-        whose = "this server's KV cache holds" if exc.of_pool else "this model's maximum context length is"
+        whose = (
+            "this server's KV cache holds" if exc.of_pool
+            else "this model's maximum context length is"
+        )
         if self.asked is None:
             message = (
                 f"{where}: {whose} {context} tokens for one request, and the prompt has "
@@ -72,7 +75,8 @@ class TokenBudget:
             )
         else:
             message = (
-                f"{where}: {whose} {context} tokens for one request; the request asks for {prompt + exc.max_new_tokens} ({prompt} in the prompt, "
+                f"{where}: {whose} {context} tokens for one request; the request asks for "
+                f"{prompt + exc.max_new_tokens} ({prompt} in the prompt, "
                 f"{exc.max_new_tokens} for {self.field}); shorten the prompt or lower "
                 f"{self.field}"
             )

@@ -316,16 +316,15 @@ def choice_params(
     max_tokens: int,
     logprobs: int | None,
     renames: Mapping[str, str],
-    tools: bool = False,
-    structure: StructuredOutputsParams | None = None,
+    structure: StructuredOutputsParams | None,
 ) -> list[SamplingParams]:
     """The engine's params for each of ``req.n`` choices. A seed advances per choice, so n
     seeded choices differ from each other and repeat across identical requests; unseeded
     choices share one SamplingParams (frozen), made and checked once. SamplingParams' own
     check is the request's: its ValueError names the field as the request does (``renames``:
-    the engine's name -> the request's, e.g. ``max_new_tokens`` -> ``max_tokens``). With
-    ``tools``, ``structure`` is what the tools made of the request's own format (it already
-    holds it); without, the request's format is read here."""
+    the engine's name -> the request's, e.g. ``max_new_tokens`` -> ``max_tokens``).
+    ``structure``: what every choice's output must match (``structured_outputs(req)``, or
+    what tools made of it)."""
     if req.seed is not None and not 0 <= req.seed < 1 << 63:  # the engine's seed range
         # checked here: the per-choice seeds below wrap, and would hide a seed out of range
         raise invalid(f"seed: must be an integer in [0, 2**63), got {req.seed!r}")
@@ -333,8 +332,6 @@ def choice_params(
     top_k = req.top_k if req.top_k is not None else 0
     seeds = [None] if req.seed is None else [(req.seed + j) % (1 << 63) for j in range(req.n)]
     bias = logit_bias(req.logit_bias)
-    if not tools:
-        structure = structured_outputs(req)
     try:
         made = [
             SamplingParams(

@@ -21,7 +21,9 @@ class BatchEntry:
     rows is sampled, and the longest prefix of the draft that matches is accepted.
     ``twin_of`` (``scheduler/twins.py``): another entry of the pass whose request has this
     one's tokens and sampling; it is computed once, for both: the runner copies its K/V into
-    this entry's slots and gives this entry its tokens.
+    this entry's slots and gives this entry its tokens. ``scored``: the positions
+    ``[start, end)`` of this entry whose logits score the prompt's next token
+    (``SamplingParams.prompt_logprobs``); empty for every other entry.
     """
 
     request: Request
@@ -32,6 +34,7 @@ class BatchEntry:
     sample: bool
     draft: list[int] = field(default_factory=list)
     twin_of: BatchEntry | None = None
+    scored: range = range(0)
 
     @classmethod
     def on_pages(

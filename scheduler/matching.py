@@ -29,10 +29,15 @@ def root_anchor(namespace: str | None) -> Hashable:
     return ("root", namespace)
 
 
-def matchable_length(num_tokens: int, page_size: int) -> int:
+def matchable_length(request: Request, page_size: int) -> int:
     """The longest prefix a request may take from the tree: whole pages of all but the last
-    token, whose logits give the next token and so must be computed."""
-    return ((num_tokens - 1) // page_size) * page_size
+    token, whose logits give the next token and so must be computed; for a request that owes
+    prompt log-probabilities, only whole pages of the positions already scored (a cached
+    page has K/V but no logits)."""
+    length = ((request.num_tokens - 1) // page_size) * page_size
+    if request.scores_prompt:
+        length = min(length, (request.scored // page_size) * page_size)
+    return length
 
 
 @dataclass(slots=True)
@@ -104,7 +109,7 @@ class MatchIndex:
     def _match(self, request: Request) -> WaitingMatch:
         p = self._page_size
         tokens = request.all_tokens
-        cap = matchable_length(len(tokens), p)
+        cap = matchable_length(request, p)
         found = self._kv.match(tokens[:cap], request.namespace)
         self.rematches += 1
         length = found.length

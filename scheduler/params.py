@@ -82,6 +82,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     # None: no log-probabilities; k >= 0: the sampled token's and the k most likely tokens'.
     logprobs: int | None = None
+    # None: none; k >= 0: each prompt token's log-probability given the tokens before it, and
+    # the k most likely tokens there (vLLM's ``prompt_logprobs``; OpenAI's echo with logprobs).
+    # Such a prompt is computed whole: a cached prefix has K/V but no logits.
+    prompt_logprobs: int | None = None
     # Penalties as vLLM defines them, on the logits before temperature and filters: presence
     # subtracts its value from every token generated so far, frequency its value times the
     # token's count in the output; repetition divides a positive logit (multiplies a negative
@@ -130,6 +134,13 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(
                 f"logprobs: must be None or an integer in [0, {MAX_LOGPROBS}], "
                 f"got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs: must be None or an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -48,6 +48,9 @@ class Request:
     num_preemptions: int = 0
     # Set at first admission: counters count a prompt (and its cached part) once.
     admitted: bool = False
+    # Prompt positions whose next token's log-probability was computed (prompt_logprobs):
+    # positions 0 .. scored - 1, never computed twice (preemption recomputes, not rescores).
+    scored: int = 0
 
     @property
     def max_new_tokens(self) -> int:
@@ -66,6 +69,12 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while some prompt tokens (or, after preemption, output tokens) lack K/V."""
         return self.num_computed < self.num_tokens - (1 if self.output else 0)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Some prompt token's log-probability (``params.prompt_logprobs``) is still owed:
+        positions ``scored .. len(prompt) - 2`` must be computed, not taken from the cache."""
+        return self.params.prompt_logprobs is not None and self.scored < len(self.prompt) - 1
 
     @property
     def is_done(self) -> bool:

@@ -236,6 +236,8 @@ class Scheduler:
                     finished.append(request)
                 continue
             request.num_computed = entry.kv_len
+            if entry.scored:
+                request.scored = entry.scored.stop
             if not decode:
                 counters.computed_prefill_tokens += len(entry.input_ids)
             if entry.sample:
@@ -352,7 +354,11 @@ class Scheduler:
         pages = kv.pages[: _pages_for(start + n, p)]
         slots = [pages[pos // p] * p + pos % p for pos in range(start, start + n)]
         sample = start + n == request.num_tokens
-        plan.entries[request] = BatchEntry(request, tokens, start, pages, slots, sample)
+        scored = range(0)
+        if request.scores_prompt:
+            scored = range(max(start, request.scored), min(start + n, len(request.prompt) - 1))
+        plan.entries[request] = BatchEntry(request, tokens, start, pages, slots, sample,
+                                           scored=scored)
         plan.budget -= n
 
     def _add_drafts(self, plan: _StepPlan) -> None:
@@ -481,7 +487,7 @@ class Scheduler:
                 break
             match = matches.get(request)
             tokens = request.all_tokens
-            cap = matchable_length(len(tokens), p)
+            cap = matchable_length(request, p)
             if claims.covers(tokens, match.length, cap, match.anchor):
                 self._counters.grouped_deferrals += 1
                 lookahead -= 1
@@ -502,7 +508,7 @@ class Scheduler:
     def _try_admit(self, plan: _StepPlan, request: Request, committed: int) -> int | None:
         """Admit ``request`` if memory allows; returns the new committed page count."""
         tokens = request.all_tokens
-        matchable = tokens[: matchable_length(len(tokens), self._page_size)]
+        matchable = tokens[: matchable_length(request, self._page_size)]
         kv = self._kv.acquire(matchable, request.namespace)  # locked: nothing evicts it now
         need = self._projected_pages(request) - len(kv.pages)
         if committed + need > self._kv.available:

@@ -33,7 +33,7 @@ from server import protocol
 from server.errors import as_api_error, invalid
 from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
 from server.protocol import ChatRequest
-from server.responses import chat_logprobs, usage_of
+from server.responses import chat_logprobs, usage_of, vllm_prompt_logprobs
 from server.state import ServerState
 from server.streaming import Choice, EventStreamResponse, sse, updates, wait
 
@@ -69,6 +69,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         top,
         renames={"max_new_tokens": budget.field, "logprobs": "top_logprobs"},
         structure=structure,
+        prompt_logprobs=req.prompt_logprobs,
     )
     choices = submit(state, [ids], ["messages"], params, budget, req.cache_salt, req.stream)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -93,6 +94,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     body = envelope(state, rid, "chat.completion", int(time.time()), items, usage_of([outputs]))
     if req.return_token_ids:
         body["prompt_token_ids"] = ids
+    if req.prompt_logprobs is not None:  # vLLM's: one list for the prompt all choices share
+        scores = outputs[0].prompt_logprobs or []
+        body["prompt_logprobs"] = vllm_prompt_logprobs(scores, state.texts, req.prompt_logprobs)
     return JSONResponse(body)
 
 

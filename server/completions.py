@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -20,9 +21,9 @@ from server import protocol
 from server.errors import as_api_error
 from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
 from server.protocol import CompletionRequest
-from server.responses import completion_logprobs, usage_of
+from server.responses import completion_logprobs, usage_of, vllm_prompt_logprobs
 from server.state import ServerState
-from server.streaming import Choice, EventStreamResponse, sse, updates, wait
+from server.streaming import Choice, EventStreamResponse, Update, sse, updates, wait
 
 # OpenAI's legacy completions default; chat completions default to the rest of the context.
 DEFAULT_MAX_TOKENS = 16
@@ -38,10 +39,13 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         for p, f in zip(prompts, fields)
     ]
     asked = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    budget = TokenBudget("max_tokens", asked)
+    # max_tokens 0 with echo scores the prompt only: one token is generated and dropped.
+    budget = TokenBudget("max_tokens", max(asked, 1))
+    scored = [c for c in (_echo_scores(req), req.prompt_logprobs) if c is not None]
     params = protocol.choice_params(
-        req, asked, req.logprobs, renames={"max_new_tokens": "max_tokens"},
+        req, max(asked, 1), req.logprobs, renames={"max_new_tokens": "max_tokens"},
         structure=protocol.structured_outputs(req),
+        prompt_logprobs=max(scored) if scored else None,
     )
     echo = [_echo_text(state, p, ids) if req.echo else "" for p, ids in zip(prompts, token_ids)]
     choices = submit(state, token_ids, fields, params, budget, req.cache_salt, req.stream)
@@ -51,23 +55,36 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     outputs = await wait(state, request, choices)
     if outputs is None:
         return Response(status_code=499)  # nobody is there to read it
+    if asked == 0:
+        outputs = [_without_generated(out) for out in outputs]
     items = []
     for choice, out in zip(choices, outputs):
-        item = _item(
-            state,
-            req,
-            choice,
-            echo[choice.prompt] + out.text,
-            out.token_ids,
-            out.logprobs or [],
-            0,
-            out.finish_reason,
-        )[0]
+        ids = token_ids[choice.prompt]
+        item, offset = _prompt_item(state, req, choice, echo[choice.prompt], ids,
+                                    out.prompt_logprobs)
+        prompt_part = item
+        item = _item(state, req, choice, item["text"] + out.text, out.token_ids,
+                     out.logprobs or [], offset, out.finish_reason, item["logprobs"])[0]
+        if "prompt_logprobs" in prompt_part:
+            item["prompt_logprobs"] = prompt_part["prompt_logprobs"]
         if req.return_token_ids:
-            item["prompt_token_ids"] = token_ids[choice.prompt]
+            item["prompt_token_ids"] = ids
         items.append(item)
     usage = usage_of(_by_prompt(outputs, req.n))
     return JSONResponse(envelope(state, rid, "text_completion", int(time.time()), items, usage))
+
+
+def _echo_scores(req: CompletionRequest) -> int | None:
+    """Alternatives per prompt token that ``echo`` with ``logprobs`` shows (None: none)."""
+    return req.logprobs if req.echo else None
+
+
+def _without_generated(out: RequestOutput) -> RequestOutput:
+    """An output of ``max_tokens`` 0: the prompt only (its one generated token dropped)."""
+    return msgspec.structs.replace(
+        out, text="", token_ids=[], logprobs=[] if out.logprobs is not None else None,
+        finish_reason="length" if out.finish_reason != "abort" else "abort", tool_calls=None,
+    )
 
 
 def _by_prompt(outputs: list[RequestOutput], n: int) -> list[list[RequestOutput]]:
@@ -88,8 +105,10 @@ def _item(
     lps: list[TokenLogprob],
     offset: int,
     reason: str | None,
+    before: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], int]:
-    """A completion choice, and the text offset after its tokens (a stream goes on there)."""
+    """A completion choice, and the text offset after its tokens (a stream goes on there);
+    ``before``: the echoed prompt's log-probabilities, which these tokens' follow."""
     item: dict[str, Any] = {
         "index": choice.index,
         "text": text,
@@ -97,9 +116,37 @@ def _item(
         "finish_reason": reason,
     }
     if req.logprobs is not None:
-        item["logprobs"], offset = completion_logprobs(lps, state.texts, offset)
+        body, offset = completion_logprobs(lps, state.texts, offset)
+        if before is not None:
+            body = {key: before[key] + body[key] for key in body}
+        item["logprobs"] = body
     if req.return_token_ids:
         item["token_ids"] = ids
+    return item, offset
+
+
+def _prompt_item(
+    state: ServerState,
+    req: CompletionRequest,
+    choice: Choice,
+    echo: str,
+    ids: PromptIds,
+    scores: list[TokenLogprob | None] | None,
+) -> tuple[dict[str, Any], int]:
+    """The part of a choice that is about its prompt: the echoed text, its tokens'
+    log-probabilities when echo asked for them (OpenAI's: the first one null) and vLLM's
+    ``prompt_logprobs`` when asked; and the text offset where the generated tokens begin."""
+    item: dict[str, Any] = {"index": choice.index, "text": echo, "logprobs": None}
+    offset = 0
+    count = _echo_scores(req)
+    if count is not None and scores is not None:
+        item["logprobs"], offset = completion_logprobs(
+            scores, state.texts, 0, token_ids=list(ids), top_n=count
+        )
+    elif req.echo:
+        offset = len(echo)
+    if req.prompt_logprobs is not None and scores is not None:
+        item["prompt_logprobs"] = vllm_prompt_logprobs(scores, state.texts, req.prompt_logprobs)
     return item, offset
 
 
@@ -131,15 +178,35 @@ async def _stream(
         return sse(envelope(state, rid, "text_completion", created, [item], per_chunk))
 
     outputs: dict[int, RequestOutput] = {}
+    scores_echo = _echo_scores(req) is not None
+    score_only = req.max_tokens == 0
     try:
-        if req.echo:
+        if req.echo and not scores_echo:
             for choice in choices:
                 yield chunk(choice, echo[choice.prompt], [], [], None)
+                offsets[choice.index] = len(echo[choice.prompt])
         async for u in updates(state, choices):
-            reason = None if u.output is None else u.output.finish_reason
+            if scores_echo and u.prompt_logprobs is not None:  # its first update: echo first
+                item, offsets[u.choice.index] = _prompt_item(
+                    state, req, u.choice, echo[u.choice.prompt], prompt_ids[u.choice.prompt],
+                    u.prompt_logprobs,
+                )
+                item["finish_reason"] = None
+                if req.return_token_ids:
+                    item["token_ids"] = []
+                    item["prompt_token_ids"] = prompt_ids[u.choice.prompt]
+                started.add(u.choice.index)
+                yield sse(envelope(state, rid, "text_completion", created, [item], per_chunk))
+            output = u.output
+            if score_only:
+                if output is None:
+                    continue
+                output = _without_generated(output)
+                u = Update(u.choice, "", [], [], output)
+            reason = None if output is None else output.finish_reason
             yield chunk(u.choice, u.text, u.token_ids, u.logprobs, reason)
-            if u.output is not None:
-                outputs[u.choice.index] = u.output
+            if output is not None:
+                outputs[u.choice.index] = output
         if with_usage:
             usage = usage_of(_by_prompt([outputs[c.index] for c in choices], req.n))
             yield sse(envelope(state, rid, "text_completion", created, [], usage))

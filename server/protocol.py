@@ -74,6 +74,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": lark} | {"json_object": true}
     structured_outputs: dict[str, Any] | None = None
     return_token_ids: bool = False
+    # Each prompt token's log-probability and this many alternatives (vLLM's).
+    prompt_logprobs: int | None = None
     # The tenant: requests with different salts never share a cached page.
     cache_salt: str | None = None
 
@@ -236,6 +238,8 @@ def check_unsupported(req: SamplingFields) -> None:
         raise invalid(f"n: must be an integer in [1, {MAX_N}], got {req.n!r}")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options: only allowed with stream=true")
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid("prompt_logprobs: not available with stream=true (as in vLLM)")
 
 
 def check_chat_only(req: ChatRequest) -> None:
@@ -252,8 +256,11 @@ def check_completion_only(req: CompletionRequest) -> None:
             f"best_of: only best_of == n is supported (no server-side ranking), got "
             f"best_of={req.best_of!r}, n={req.n!r}"
         )
-    if req.echo and req.logprobs is not None:
-        raise invalid("echo: not supported together with logprobs")
+    if req.max_tokens == 0 and not req.echo:
+        raise invalid(
+            "max_tokens: must be >= 1 (0, to score the prompt only, needs echo=true)",
+            param="max_tokens",
+        )
 
 
 def logit_bias(given: dict[str, float] | None) -> dict[int, float]:
@@ -317,6 +324,7 @@ def choice_params(
     logprobs: int | None,
     renames: Mapping[str, str],
     structure: StructuredOutputsParams | None,
+    prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     """The engine's params for each of ``req.n`` choices. A seed advances per choice, so n
     seeded choices differ from each other and repeat across identical requests; unseeded
@@ -324,7 +332,8 @@ def choice_params(
     check is the request's: its ValueError names the field as the request does (``renames``:
     the engine's name -> the request's, e.g. ``max_new_tokens`` -> ``max_tokens``).
     ``structure``: what every choice's output must match (``structured_outputs(req)``, or
-    what tools made of it)."""
+    what tools made of it). ``prompt_logprobs``: alternatives per prompt token (None: the
+    prompt is not scored)."""
     if req.seed is not None and not 0 <= req.seed < 1 << 63:  # the engine's seed range
         # checked here: the per-choice seeds below wrap, and would hide a seed out of range
         raise invalid(f"seed: must be an integer in [0, 2**63), got {req.seed!r}")
@@ -345,6 +354,7 @@ def choice_params(
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
                 frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
                 repetition_penalty=(

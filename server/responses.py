@@ -4,6 +4,7 @@ usage and log-probabilities (the SSE framing is ``streaming.sse``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from engine import RequestOutput, TokenLogprob
@@ -54,16 +55,26 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict[str, A
 
 
 def completion_logprobs(
-    entries: list[TokenLogprob], texts: TokenTexts, offset: int
+    entries: Sequence[TokenLogprob | None],
+    texts: TokenTexts,
+    offset: int,
+    token_ids: Sequence[int] | None = None,
+    top_n: int | None = None,
 ) -> tuple[dict[str, Any], int]:
     """``choices[i].logprobs`` of a completion (the legacy layout) and the text offset after
-    its tokens (a stream continues from there)."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for e in entries:
-        text = texts.text(e.token_id)
+    its tokens (a stream continues from there). ``token_ids``: each entry's token, for a
+    prompt's entries (its first, which nothing predicts, is None: null log-probabilities, as
+    OpenAI's echo gives them); ``top_n``: how many alternatives to show (default: all)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for i, e in enumerate(entries):
+        text = texts.text(e.token_id if token_ids is None or e is not None else token_ids[i])
         tokens.append(text)
-        token_logprobs.append(_lp(e.logprob))
-        top.append({texts.text(t): _lp(lp) for t, lp in e.top})
+        token_logprobs.append(None if e is None else _lp(e.logprob))
+        shown = None if e is None else e.top[:top_n]
+        top.append(None if shown is None else {texts.text(t): _lp(lp) for t, lp in shown})
         offsets.append(offset)
         offset += len(text)
     body = {
@@ -73,3 +84,23 @@ def completion_logprobs(
         "text_offset": offsets,
     }
     return body, offset
+
+
+def vllm_prompt_logprobs(
+    entries: Sequence[TokenLogprob | None], texts: TokenTexts, top_n: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first), the token's and its
+    ``top_n`` best alternatives' log-probability, rank and text, by token id."""
+
+    def entry(token_id: int, logprob: float, rank: int) -> tuple[str, dict[str, Any]]:
+        return str(token_id), {
+            "logprob": _lp(logprob), "rank": rank, "decoded_token": texts.text(token_id)
+        }
+
+    return [
+        None if e is None else dict([
+            entry(e.token_id, e.logprob, e.rank),
+            *(entry(t, lp, k + 1) for k, (t, lp) in enumerate(e.top[:top_n])),
+        ])
+        for e in entries
+    ]

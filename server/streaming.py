@@ -45,6 +45,8 @@ class Update:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     output: RequestOutput | None = None
+    # The prompt's log-probabilities, on a choice's first update (when asked).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def sse(data: Any) -> bytes:
@@ -134,19 +136,28 @@ async def updates(state: ServerState, choices: list[Choice]) -> AsyncIterator[Up
     tasks = [asyncio.ensure_future(pump(c)) for c in choices]
     sent = {c.index: 0 for c in choices}  # tokens streamed per choice
     ended: set[int] = set()
+    started: set[int] = set()
     try:
         while len(ended) < len(choices):
             choice, item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
+            first = choice.index not in started
+            started.add(choice.index)
             if isinstance(item, Delta):
                 sent[choice.index] += len(item.token_ids)
-                yield Update(choice, item.text, list(item.token_ids), list(item.logprobs))
+                scores = None if item.prompt_logprobs is None else list(item.prompt_logprobs)
+                yield Update(
+                    choice, item.text, list(item.token_ids), list(item.logprobs), None, scores
+                )
                 continue
             ended.add(choice.index)
             state.metrics.observe(item)
             tail = sent[choice.index]
-            yield Update(choice, "", item.token_ids[tail:], (item.logprobs or [])[tail:], item)
+            scores = item.prompt_logprobs if first else None
+            yield Update(
+                choice, "", item.token_ids[tail:], (item.logprobs or [])[tail:], item, scores
+            )
     finally:
         for task in tasks:
             task.cancel()

@@ -27,7 +27,8 @@ class ForwardBatch:
     kv_indptr: torch.Tensor  # int32 [B + 1]
     kv_indices: torch.Tensor  # int32 [sum pages]
     kv_last_page_len: torch.Tensor  # int32 [B], in 1..page_size
-    # int64 [S]: the last token of every entry that samples (and its draft tokens' rows)
+    # int64 [S + P]: the last token of every entry that samples (and its draft tokens' rows),
+    # then the ``P`` rows that score prompt tokens (``BatchEntry.scored``), entry by entry
     logits_indices: torch.Tensor
     page_size: int
     # Every request feeds exactly one token after a prefix: the decode kernels' shape. A
@@ -60,6 +61,7 @@ class ForwardBatch:
         kv_indptr = [0]
         sample_rows: list[int] = []
         logits_indices: list[int] = []
+        scored_rows: list[int] = []
         for i, e in enumerate(batch.entries):
             n = len(e.input_ids)
             if n < 1:
@@ -84,6 +86,15 @@ class ForwardBatch:
                 sample_rows.append(i)
                 end = qo_indptr[-1]
                 logits_indices.extend(range(end - e.num_logits, end))
+            if e.scored:
+                if not e.start_pos <= e.scored.start < e.scored.stop <= kv_len:
+                    raise ValueError(
+                        f"scored: entry {i} scores positions {e.scored.start}..."
+                        f"{e.scored.stop - 1}, outside its {e.start_pos}...{kv_len - 1}"
+                    )
+                first = qo_indptr[-2] - e.start_pos
+                scored_rows.extend(range(first + e.scored.start, first + e.scored.stop))
+        logits_indices.extend(scored_rows)
         entries = batch.entries
         ids = list(chain.from_iterable(e.input_ids for e in entries))
         positions = list(

@@ -16,7 +16,10 @@ from engine.model.products import load_products
 from engine.model.sampler import Sampler, TokenLogprob, token_logprobs
 from engine.model.structured import Grammars
 from engine.model.threads import ThreadPolicy
-from scheduler.batch import Batch
+from scheduler.batch import Batch, BatchEntry
+
+# Prompt rows scored at once: bounds the log-softmax's memory (rows x vocabulary floats).
+_SCORE_ROWS = 256
 
 
 @dataclass
@@ -28,6 +31,8 @@ class StepResult:
 
     tokens: list[list[int]]
     logprobs: list[list[TokenLogprob]]
+    # Per entry, the log-probability of each prompt token its ``scored`` rows predict.
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
 
 
 class ModelRunner:
@@ -141,6 +146,10 @@ class ModelRunner:
         logits = self.forward(batch)
         entries = batch.entries
         out = StepResult([[] for _ in entries], [[] for _ in entries])
+        num_scored = sum(len(e.scored) for e in entries)
+        if num_scored:
+            out.prompt_logprobs = self._score_prompts(entries, logits[-num_scored:])
+            logits = logits[:-num_scored]
         spans: list[tuple[int, int]] = []  # (entry, its first row)
         requests: list[Any] = []
         steps: list[int] = []
@@ -187,6 +196,28 @@ class ModelRunner:
             self.grammars.accept([(entries[i].request, out.tokens[i]) for i, _ in spans])
         return out
 
+    @staticmethod
+    def _score_prompts(
+        entries: list[BatchEntry], logits: torch.Tensor
+    ) -> list[list[TokenLogprob]]:
+        """Each entry's prompt tokens scored by the rows before them (``BatchEntry.scored``),
+        a few hundred rows at a time (a row's log-softmax is a vocabulary of floats)."""
+        scores: list[list[TokenLogprob]] = []
+        row = 0
+        for entry in entries:
+            found: list[TokenLogprob] = []
+            span = entry.scored
+            prompt = entry.request.prompt
+            count = entry.request.params.prompt_logprobs or 0
+            for start in range(span.start, span.stop, _SCORE_ROWS):
+                stop = min(start + _SCORE_ROWS, span.stop)
+                rows = logits[row : row + stop - start]
+                targets = torch.tensor(prompt[start + 1 : stop + 1], device=logits.device)
+                found.extend(token_logprobs(rows, targets, [count] * (stop - start)))
+                row += stop - start
+            scores.append(found)
+        return scores
+
     def _step_with_twins(self, batch: Batch) -> StepResult:
         """Computes the entries that are not twins; a twin gets its leader's K/V for its
         positions (computed in earlier steps or in this one) and its leader's tokens: those
@@ -197,10 +228,12 @@ class ModelRunner:
         at = {id(e): i for i, e in enumerate(computed)}
         src: list[int] = []
         dst: list[int] = []
-        out = StepResult([], [])
+        out = StepResult([], [], None if result.prompt_logprobs is None else [])
         for entry in entries:
             leader = entry.twin_of
             i = at[id(entry if leader is None else leader)]
+            if out.prompt_logprobs is not None:  # a twin decodes: it scores no prompt
+                out.prompt_logprobs.append([] if leader is not None else result.prompt_logprobs[i])
             if leader is None:
                 out.tokens.append(result.tokens[i])
                 out.logprobs.append(result.logprobs[i])

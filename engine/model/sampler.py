@@ -70,12 +70,14 @@ class TokenLogprob(msgspec.Struct, frozen=True):
 
     Log-probabilities are of the model's own distribution (log-softmax of the raw logits),
     before temperature and filters, so they mean the same for every request (vLLM's default).
-    ``top`` holds ``(token_id, logprob)`` of the most likely tokens, best first.
+    ``top`` holds ``(token_id, logprob)`` of the most likely tokens, best first; ``rank`` is
+    the token's place among them all (1: none is more likely; vLLM's rank).
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []
+    rank: int = 1
 
 
 def token_logprobs(
@@ -83,7 +85,9 @@ def token_logprobs(
 ) -> list[TokenLogprob]:
     """Each row's chosen token's log-probability and its ``counts[i]`` best alternatives."""
     logp = logits.float().log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+    picked = logp.gather(1, tokens.view(-1, 1))
+    ranks = ((logp > picked).sum(dim=-1) + 1).tolist()
+    chosen = picked.view(-1).tolist()
     k = max(counts, default=0)
     top_ids: list[list[int]] = [[] for _ in counts]
     top_lp: list[list[float]] = [[] for _ in counts]
@@ -91,8 +95,8 @@ def token_logprobs(
         values, ids = logp.topk(k, dim=-1)
         top_ids, top_lp = ids.tolist(), values.tolist()
     return [
-        TokenLogprob(int(t), lp, list(zip(i[:c], v[:c])))
-        for t, lp, i, v, c in zip(tokens.tolist(), chosen, top_ids, top_lp, counts)
+        TokenLogprob(int(t), lp, list(zip(i[:c], v[:c])), r)
+        for t, lp, i, v, c, r in zip(tokens.tolist(), chosen, top_ids, top_lp, counts, ranks)
     ]
 
 

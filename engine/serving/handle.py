@@ -25,11 +25,13 @@ class Delta:
     """New text of a streaming request, with the tokens generated since the previous delta
     (their log-probabilities too, when the request asked). Tokens whose text is held back
     (a partial character, a possible stop string) arrive with a later delta; those of the
-    last delta's tail are in the final output only."""
+    last delta's tail are in the final output only. A request that asked for its prompt's
+    log-probabilities gets them with its first delta (``RequestOutput.prompt_logprobs``)."""
 
     text: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

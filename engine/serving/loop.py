@@ -57,16 +57,30 @@ class Job:
     stream: bool  # deliver text deltas, not only the final output
     # Log-probabilities of every generated token (requests that asked), and when each came.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Log-probabilities of the prompt's tokens after the first (requests that asked).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     # Tokens generated since the last delta (their text may still be held back).
     unsent: int = 0
+    delivered: bool = False  # a delta went out (the first carries the prompt's scores)
 
     def delta(self, text: str) -> Delta:
         """A delta with ``text`` and the tokens (and log-probabilities) not yet sent."""
         n, self.unsent = self.unsent, 0
         ids = self.request.output[len(self.request.output) - n :]
         lps = self.logprobs[len(self.logprobs) - n :] if self.logprobs else []
-        return Delta(text, tuple(ids), tuple(lps))
+        scores = None
+        if not self.delivered:
+            self.delivered = True
+            scores = self.prompt_scores()
+        return Delta(text, tuple(ids), tuple(lps), None if scores is None else tuple(scores))
+
+    def prompt_scores(self) -> list[TokenLogprob | None] | None:
+        """The prompt's log-probabilities, None first (nothing predicts the first token);
+        None if the request did not ask for them."""
+        if self.request.params.prompt_logprobs is None:
+            return None
+        return [None, *self.prompt_logprobs]
 
 
 class EngineLoop:
@@ -277,6 +291,11 @@ class EngineLoop:
         # Text first: the detokeniser reports stop strings, which commit() then decides on.
         # An entry may bring several tokens (an accepted draft): they are taken one by one,
         # up to the first that ends the request.
+        if result.prompt_logprobs is not None:
+            for entry, scores in zip(batch.entries, result.prompt_logprobs):
+                job = self._live.get(entry.request.id)
+                if scores and job is not None:
+                    job.prompt_logprobs.extend(scores)
         sampled: list[tuple[Job, str]] = []
         hit_stop_string: set[Request] = set()
         next_tokens: list[list[int]] = []
@@ -358,6 +377,7 @@ class EngineLoop:
             queue_s=None if admitted is None else admitted - request.arrival_time,
             itl_s=[b - a for a, b in zip(times, times[1:])],
             logprobs=job.logprobs if request.params.logprobs is not None else None,
+            prompt_logprobs=job.prompt_scores(),
         )
         self._outbox.append((job, Done(output)))
 

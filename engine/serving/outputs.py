@@ -18,6 +18,8 @@ class RequestOutput(msgspec.Struct, frozen=True):
     ``queue_s`` (arrival to first admission) is None when it never ran. ``itl_s`` holds the
     gaps between successive generated tokens. ``logprobs``: one per generated token when the
     request's params asked for them (``SamplingParams.logprobs``), else None.
+    ``prompt_logprobs``: one per prompt token when asked (``SamplingParams.prompt_logprobs``),
+    None for the first (nothing predicts it), as vLLM gives them.
     """
 
     text: str
@@ -30,5 +32,6 @@ class RequestOutput(msgspec.Struct, frozen=True):
     queue_s: float | None = None
     itl_s: list[float] = []
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # The calls the reply made, when the request offered tools (finish_reason "tool_calls").
     tool_calls: list[ToolCall] | None = None

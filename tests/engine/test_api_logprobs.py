@@ -65,3 +65,69 @@ def test_streamed_deltas_carry_their_tokens_and_logprobs(engine) -> None:
     assert sent == final.token_ids[: len(sent)]
     assert [lp for d in deltas for lp in d.logprobs] == final.logprobs[: len(sent)]
     assert "".join(d.text for d in deltas) == final.text
+
+
+def test_prompt_logprobs_are_those_of_the_same_tokens_generated(
+    make_engine, chat_ids, hf_model
+) -> None:
+    """A prompt scored in chunks (16 tokens a pass), batched with other requests and after
+    its prefix was cached, gets for its tokens exactly the entries that generating them gave
+    (same floats, alternatives and ranks), and transformers' log-softmax."""
+    eng = make_engine(page_size=16, num_pages=256, max_batch_tokens=16, max_running=8)
+    prompt = chat_ids[0]
+    [made] = eng.generate([prompt], greedy(NEW_TOKENS, logprobs=3))
+    full = prompt + made.token_ids
+    others = [user(p) for p in CHAT_PROMPTS[1:3]]
+    scored, *_ = eng.generate(
+        [full, *others], [greedy(2, prompt_logprobs=3), greedy(6), greedy(6)]
+    )
+    assert scored.cached_tokens == 0  # a cached page has K/V, not the logits it needs
+    scores = scored.prompt_logprobs
+    assert scores is not None and len(scores) == len(full) and scores[0] is None
+    assert [e.token_id for e in scores[1:]] == full[1:]
+    assert scores[len(prompt):] == made.logprobs
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([full])).logits[0].float()
+    reference = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(full[1:]).view(-1, 1))
+    assert [e.logprob for e in scores[1:]] == pytest.approx(reference.view(-1).tolist(), abs=1e-4)
+    assert scored.logprobs is None  # prompt_logprobs alone scores no generated token
+    eng.wait_idle()
+    pages = eng.stats().pages
+    assert pages.free + pages.cached == pages.total
+
+
+def test_prompt_logprobs_only_when_asked_and_rank_counts_better_tokens(engine) -> None:
+    plain, one, scored = engine.generate(
+        [[1, 2, 3, 4], [7], [1, 2, 3, 4]],
+        [greedy(1), greedy(1, prompt_logprobs=0), greedy(1, prompt_logprobs=2)],
+    )
+    assert plain.prompt_logprobs is None
+    assert one.prompt_logprobs == [None]  # nothing predicts a prompt's first token
+    ranks = []
+    for entry in scored.prompt_logprobs[1:]:
+        better = sum(lp > entry.logprob for _, lp in entry.top)  # of the 2 best
+        ranks.append(entry.rank)
+        if entry.rank <= 2:
+            assert entry.rank == better + 1
+        else:
+            assert better == 2
+    assert max(ranks) > 2  # [1, 2, 3, 4] is no likely text
+
+
+def test_prompt_logprobs_come_with_a_streams_first_delta(engine) -> None:
+    import asyncio
+
+    async def run():
+        handle = engine.submit("Tell me a story", greedy(6, prompt_logprobs=1), stream=True)
+        return [item async for item in handle.events()]
+
+    *deltas, final = asyncio.run(run())
+    assert deltas and deltas[0].prompt_logprobs is not None
+    assert list(deltas[0].prompt_logprobs) == final.prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.5, True])
+def test_prompt_logprobs_out_of_range_is_refused(bad) -> None:
+    with pytest.raises(ValueError, match="prompt_logprobs: must be None or an integer in"):
+        SamplingParams(prompt_logprobs=bad)

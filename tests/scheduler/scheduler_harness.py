@@ -34,6 +34,8 @@ class ScriptedModel:
         # equal outputs (what speculation's tree drafts find again).
         self.by_prompt: set[int | str] = set()
         self.pages_read = 0
+        # Per request: the prompt positions whose next token was scored, in the order scored.
+        self.scored: dict[int | str, list[int]] = {}
 
     def script(self, request: Request, index: int) -> int:
         if self.stop_at.get(request.id) == index:
@@ -67,6 +69,14 @@ class ScriptedModel:
                 else:
                     assert entry.slots[pos - entry.start_pos] == slot, "slot != page table"
                     self.kv[slot] = address
+            if entry.scored:
+                done = self.scored.setdefault(request.id, [])
+                assert entry.scored.start == len(done), (
+                    f"request {request.id} scores from position {entry.scored.start}, "
+                    f"{len(done)} scored so far"
+                )
+                assert entry.scored.stop <= len(request.prompt) - 1, "scores past the prompt"
+                done.extend(entry.scored)
             if entry.draft:
                 accepted = []
                 for j in range(len(entry.draft) + 1):

@@ -4,7 +4,9 @@ After every step: every page is owned exactly once (free list, tree, or one runn
 request's private tail), the tree's invariants hold, every running request's page table
 matches its locked path, and the scripted model never reads K/V it did not write for
 exactly that prefix. At the end every request finishes or is aborted within a bound on the
-number of steps, its outputs follow its script in order, and free + cached == total.
+number of steps, its outputs follow its script in order, a request that asked for its
+prompt's log-probabilities had every prompt position scored exactly once, in order, and
+none taken from the cache, and free + cached == total.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         stop_at=st.one_of(st.none(), st.integers(min_value=0, max_value=15)),
         namespace=st.sampled_from([None, None, "tenant"]),
         by_prompt=st.booleans(),
+        scores_prompt=st.sampled_from([False, False, True]),
     )
     def add(
         self,
@@ -80,11 +83,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         stop_at: int | None,
         namespace: str | None,
         by_prompt: bool,
+        scores_prompt: bool,
     ) -> None:
         prompt = (STEMS[stem][:stem_len] if stem >= 0 else []) + suffix
         if not prompt:
             prompt = [5]
-        request = Request(id=self.next_id, prompt=prompt, params=SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP]), namespace=namespace)
+        request = Request(id=self.next_id, prompt=prompt, params=SamplingParams(
+            max_new_tokens=max_new, stop_token_ids=[STOP],
+            prompt_logprobs=0 if scores_prompt else None,
+        ), namespace=namespace)
         self.next_id += 1
         if stop_at is not None:
             self.model.stop_at[request.id] = stop_at
@@ -158,6 +165,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert request.is_done, f"request {request.id} neither finished nor aborted"
             assert request.kv is None
             assert_output_follows_script(self.model, request)
+            scored = self.model.scored.get(request.id, [])
+            if request.params.prompt_logprobs is None:
+                assert not scored
+            else:  # every prompt position scored once, in order; none from the cache
+                assert request.cached_tokens == 0
+                if request.state is RequestState.FINISHED:
+                    assert scored == list(range(len(request.prompt) - 1))
             if request.state is RequestState.FINISHED:
                 if request.finish_reason == "stop":
                     assert request.output[-1] == STOP

@@ -101,7 +101,11 @@ MATRIX = [
     (COMPLETIONS, {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
+    (CHAT, chat(prompt_logprobs=-1), 400, "prompt_logprobs"),
     (COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": 9000}, 400, "prompt[0]"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
@@ -225,7 +229,8 @@ def test_unknown_fields_are_ignored_as_openai_does(server_url: str) -> None:
         (CHAT, ["n", "stream", "logprobs", "top_logprobs", "top_p", "stop", "seed",
                 "parallel_tool_calls", "tool_choice", "tools", "response_format", "ignore_eos",
                 "return_token_ids", "stream_options", "max_completion_tokens"]),
-        (COMPLETIONS, ["n", "stream", "echo", "logprobs", "suffix", "best_of", "top_p"]),
+        (COMPLETIONS, ["n", "stream", "echo", "logprobs", "suffix", "best_of", "top_p",
+                       "prompt_logprobs"]),
     ],
 )
 def test_optional_fields_sent_as_null_are_as_if_not_sent(

@@ -242,6 +242,70 @@ def test_completion_logprobs_and_stop_strings(client: openai.OpenAI) -> None:
     assert reply.choices[0].text.startswith(stopped.choices[0].text)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(
+    client: openai.OpenAI, local: Engine
+) -> None:
+    """lm-evaluation-harness's ``local-completions`` loglikelihood request: token ids, echo,
+    logprobs=1, max_tokens=1. Each prompt token gets the log-probability its generation
+    would have had (the same floats), the first null; is_greedy reads top_logprobs."""
+    context = local.tokenizer.encode("Question: What colour is the sky?\nAnswer:")
+    made = client.completions.create(
+        model=MODEL, prompt=[context], max_tokens=4, temperature=0, logprobs=1
+    ).choices[0].logprobs
+    continuation = local.tokenizer.encode("".join(made.tokens))
+    assert len(continuation) == 4
+    ids = context + continuation
+    reply = client.completions.create(
+        model=MODEL, prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234,
+    )
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[len(context) : len(ids)] == made.token_logprobs
+    greedy_steps = zip(lp.token_logprobs[len(context) : -1], lp.top_logprobs[len(context) : -1])
+    assert all(tok == max(top.values()) for tok, top in greedy_steps)  # harness's is_greedy
+    assert reply.choices[0].text.startswith(local.tokenizer.decode(ids))
+    assert lp.text_offset == sorted(lp.text_offset)
+    only = client.completions.create(model=MODEL, prompt=[ids], max_tokens=0, logprobs=1, echo=True)
+    choice = only.choices[0]
+    assert choice.logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert choice.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert choice.text == local.tokenizer.decode(ids)
+
+
+def test_streamed_echo_with_logprobs_joins_to_the_whole_reply(client: openai.OpenAI) -> None:
+    args = dict(model=MODEL, prompt="The three primary colours are", max_tokens=6,
+                temperature=0, logprobs=2, echo=True)
+    whole = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True)]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[0].text == "The three primary colours are"
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs
+    offsets = [x for c in chunks if c.logprobs for x in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset
+
+
+def test_vllm_prompt_logprobs_on_both_endpoints(client: openai.OpenAI, local: Engine) -> None:
+    prompt = "Hello there, how are you"
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    ).model_dump()
+    scores = reply["choices"][0]["prompt_logprobs"]
+    ids = local.tokenizer.encode(prompt)
+    [expected] = local.generate([ids], SamplingParams(max_new_tokens=1, prompt_logprobs=2))
+    assert scores[0] is None and len(scores) == len(ids)
+    for position, entry, token in zip(scores[1:], expected.prompt_logprobs[1:], ids[1:]):
+        assert position[str(token)]["logprob"] == entry.logprob
+        assert position[str(token)]["rank"] == entry.rank
+        assert {int(k) for k in position} == {token, *(t for t, _ in entry.top)}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=ask(QUESTIONS[0]), max_tokens=2, extra_body={"prompt_logprobs": 0}
+    ).model_dump()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
 def test_batch_of_prompts_returns_choices_in_order(client: openai.OpenAI, local: Engine) -> None:
     prompts = ["Once upon a time", "The ocean is"]
     reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)

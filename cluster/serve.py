@@ -32,7 +32,8 @@ from cluster.hub import EventHub
 from cluster.index import KVIndex
 from cluster.policy import CacheAware, RouteRequest
 from cluster.remote import EngineCall, RemoteEngine
-from engine import EngineConfig, EngineStats, abort_on_exit
+from cluster.replica_stats import ReplicaStats
+from engine import EngineConfig, abort_on_exit
 
 log = logging.getLogger("radixkv.cluster")
 
@@ -53,8 +54,11 @@ def start_hub(name: str) -> Any:
     """The named hub actor, created if missing. Detached: it must outlive the driver's
     handle (the replicas and routers find it by name); ``stop_hub`` ends it."""
     actor = ray.remote(num_cpus=0)(EventHub)
+    # Restarted whenever its process dies (``stop_hub``'s kill is final): a new hub knows
+    # nothing, so each replica's next publish is refused and it sends a snapshot.
     return actor.options(
-        name=name, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached"
+        name=name, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached",
+        max_restarts=-1,
     ).remote()
 
 
@@ -154,7 +158,7 @@ class OpenAIFront:
         self._replicas = replicas
         self._hub = _hub(config.hub_name)
         self._page_size = config.engine.page_size
-        self._stats: dict[str, Any] = {}
+        self._stats = ReplicaStats()
         self.engine = RemoteEngine(
             load_front(config.engine.model), self._call, self._pool_tokens, self._summed_stats
         )
@@ -167,18 +171,18 @@ class OpenAIFront:
     def _watch_stats(self) -> None:
         while True:
             try:
-                self._stats = ray.get(self._hub.stats.remote())
+                self._stats.update(ray.get(self._hub.stats.remote()))
             except Exception:
                 log.exception("reading the replicas' stats failed")
             time.sleep(0.5)
 
     def _pool_tokens(self) -> int | None:
         """The smallest replica's KV pool in tokens (None until one has reported)."""
-        pools = [s.pages.total * self._page_size for s in self._stats.values()]
+        pools = [s.pages.total * self._page_size for s in self._stats.live.values()]
         return min(pools) if pools else None
 
     def _summed_stats(self) -> Any:
-        return EngineStats.total(list(self._stats.values())) if self._stats else None
+        return self._stats.total()
 
     def __serve_build_asgi_app__(self) -> Any:
         from starlette.requests import Request
@@ -192,7 +196,7 @@ class OpenAIFront:
         async def replicas(request: Request) -> JSONResponse:
             """Per-replica engine stats (requests, hit rate, load): what the bench reads."""
             return JSONResponse(
-                {name: s.to_dict() for name, s in sorted(self._stats.items())}
+                {name: s.to_dict() for name, s in sorted(self._stats.live.items())}
             )
 
         app.router.routes.insert(0, Route("/v1/replicas", replicas, methods=["GET"]))

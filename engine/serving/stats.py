@@ -45,12 +45,34 @@ class EngineStats(msgspec.Struct, frozen=True):
         reported)."""
         return _zero(cls)
 
+    def retired(self) -> EngineStats:
+        """What these stats leave in a sum once their engine is gone (a replica killed or
+        replaced): its monotone counts (requests, tokens, failures, the tiers' traffic) and
+        nothing it held or measured (pages, tiers' contents, requests in flight, costs)."""
+        tiers = _zero(TierStats)
+        kept = {name: getattr(self.tiers, name) for name in _TIER_COUNTERS}
+        return EngineStats(
+            counters=self.counters,
+            pages=dataclasses.replace(_zero(PageStats), evicted=self.pages.evicted),
+            tiers=dataclasses.replace(tiers, **kept),
+            failed=self.failed,
+            requests_running=0,
+            requests_waiting=0,
+        )
+
     @classmethod
     def total(cls, parts: list[EngineStats]) -> EngineStats:
         """Several engines' stats as one's (replicas behind a router): counts add up, measured
         costs (the tiers' seconds per page) are averaged over the engines that have them, and
         the hit rate follows from the summed counters."""
         return _sum(cls, parts) if parts else cls.zero()
+
+
+# TierStats' monotone counts (the rest is contents now and measured costs).
+_TIER_COUNTERS = (
+    "written_host", "written_disk", "loaded_host", "loaded_disk", "dropped", "corrupt",
+    "disk_write_errors", "skipped_slow",
+)
 
 
 def snapshot(scheduler: Scheduler, failed: int) -> EngineStats:

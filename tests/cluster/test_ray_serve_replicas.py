@@ -205,6 +205,72 @@ def test_every_page_is_accounted_for_after_a_client_leaves_mid_stream(
         assert s["requests_running"] == 0 and s["pages"]["private"] == 0, s
 
 
+def _counter(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def _ray_process(cluster: ServerProcess, title: str) -> Any:
+    import psutil
+
+    found = [
+        p for p in psutil.Process(cluster.process.pid).children(recursive=True)
+        if title in " ".join(p.cmdline())
+    ]
+    assert found, f"no process {title!r} in the cluster"
+    return found[0]
+
+
+def test_counters_never_go_down_when_a_replica_dies_and_a_killed_hub_comes_back(
+    client: Any, cluster: ServerProcess, cluster_url: str
+) -> None:
+    """SIGKILL one replica: what it counted stays in /metrics' sums (Prometheus reads a drop
+    as a counter reset). SIGKILL the KV event hub: Ray restarts it and the stats move again.
+    Runs last on this cluster: Serve is still replacing the replica afterwards."""
+    name = "radixkv:prompt_tokens_total"
+
+    def ask(text: str) -> None:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=text, max_tokens=2)
+
+    for k in range(4):
+        ask(f"Question {k}: which aisle has the paint?")
+    deadline = time.monotonic() + 30
+    while len(replicas(cluster_url)) < 2 or any(
+        s["counters"]["requests"] == 0 for s in replicas(cluster_url).values()
+    ):  # both replicas counted something (the shared prefix may keep all on one)
+        ask(f"{uuid.uuid4().hex} is a code; what is it for?")
+        assert time.monotonic() < deadline, replicas(cluster_url)
+    seen = [_counter(cluster_url, name)]
+    before = set(replicas(cluster_url))
+    _ray_process(cluster, "EngineReplica").kill()
+    deadline = time.monotonic() + 60
+    while set(replicas(cluster_url)) >= before:  # until the dead one is dropped
+        seen.append(_counter(cluster_url, name))
+        assert time.monotonic() < deadline, replicas(cluster_url)
+        time.sleep(0.5)
+    seen.append(_counter(cluster_url, name))
+    assert seen == sorted(seen) and seen[-1] >= seen[0] > 0, seen
+
+    _ray_process(cluster, "EventHub").kill()
+    time.sleep(2)
+    deadline = time.monotonic() + 60
+    while _counter(cluster_url, name) <= seen[-1]:  # stats flow again through a new hub
+        try:
+            ask("After the restart: where are the hammers?")
+        except openai.APIError:
+            pass  # a request routed to the killed replica before Serve noticed
+        assert time.monotonic() < deadline, "the stats stopped after the hub was killed"
+        time.sleep(1)
+    assert _counter(cluster_url, name) > seen[-1]
+
+
 def test_a_stop_right_after_start_up_exits_cleanly_and_leaves_no_process() -> None:
     """SIGTERM the moment /health first answers (start-up may still be finishing): exit 0,
     and every process the cluster started (raylet, GCS, agents, workers) is gone."""

@@ -30,3 +30,20 @@ def test_counters_only_grow_and_hit_rate_is_derived(engine) -> None:
     assert set(as_dict["counters"]) >= set(COUNTER_NAMES) and "free" in as_dict["pages"]
     assert as_dict["hit_rate"] == last.hit_rate
     assert_idle_accounting(engine)
+
+
+def test_a_retired_engines_stats_keep_its_counts_and_nothing_it_held(engine) -> None:
+    """Replicas summed behind a router: the counts of one that is gone stay in the sum (a
+    summed counter never goes down), its pages, contents and requests do not."""
+    engine.generate("Count to three.", greedy(4))
+    last = engine.stats()
+    gone = last.retired()
+    assert gone.counters == last.counters and gone.failed == last.failed
+    assert gone.pages.total == gone.pages.free == gone.pages.cached == 0
+    assert gone.pages.evicted == last.pages.evicted
+    assert gone.requests_running == gone.requests_waiting == 0
+    assert gone.tiers.host_pages == gone.tiers.disk_bytes == 0
+    assert gone.tiers.written_host == last.tiers.written_host
+    summed = EngineStats.total([last, gone])
+    assert summed.counters.prompt_tokens == 2 * last.counters.prompt_tokens
+    assert summed.pages.total == last.pages.total

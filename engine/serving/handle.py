@@ -79,6 +79,7 @@ class RequestHandle:
         self._events: deque[Event] = deque()
         self._finished = False  # the final event has been put
         self._consumed = False  # the final event has been taken
+        self._final: Event | None = None  # kept once taken: asking again gets it again
         try:
             self._event_loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -175,14 +176,23 @@ class RequestHandle:
     # ------------------------------------------------------------------ internals
 
     def _take(self) -> Event:
+        """The next event; after the final one was taken, the final one again (a result
+        read twice, as a future's is)."""
+        if not self._events:
+            assert self._final is not None
+            return self._final
         event = self._events.popleft()
         if not isinstance(event, Delta):
             self._consumed = True
+            self._final = event
         return event
+
+    def _ready_to_take(self) -> bool:
+        return bool(self._events) or self._final is not None
 
     def _get(self, timeout: float | None) -> Event:
         with self._lock:
-            if not self._ready.wait_for(lambda: self._events, timeout):
+            if not self._ready.wait_for(self._ready_to_take, timeout):
                 raise TimeoutError(f"request {self.id}: no result within {timeout} s")
             return self._take()
 
@@ -192,7 +202,7 @@ class RequestHandle:
             self._event_loop = loop
         while True:
             with self._lock:
-                if self._events:
+                if self._ready_to_take():
                     return self._take()
                 waiter = self._waiter = loop.create_future()
             await waiter

@@ -94,6 +94,7 @@ class EngineLoop:
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._inbox: deque[tuple[str, Any]] = deque()
+        self._taken: deque[tuple[str, Any]] = deque()  # loop thread: taken, not yet handled
         self._closing = False
         self._dead: BaseException | None = None  # set once; the loop has stopped
         self._idle = threading.Event()
@@ -194,10 +195,12 @@ class EngineLoop:
         idle_checked = True
         while True:
             commands, closing = self._take_commands(wait=idle_checked and not self._has_work())
+            self._taken.extend(commands)
             if closing:
                 self._shut_down()
                 return
-            for kind, payload in commands:
+            while self._taken:
+                kind, payload = self._taken.popleft()
                 if kind == "add":
                     self._add(payload)
                 else:
@@ -405,22 +408,30 @@ class EngineLoop:
                 self._stats = snapshot(self._scheduler, self._failed)
 
     def _shut_down(self) -> None:
+        """Aborts everything: running and waiting requests, and those submitted but never
+        added (taken from the inbox with the close, or still there); each caller gets an
+        output with finish_reason "abort"."""
         for job in list(self._live.values()):
             self._scheduler.abort(job.request.id)
             self._complete(job)
-        with self._lock:
-            pending = [payload for kind, payload in self._inbox if kind == "add"]
-            self._inbox.clear()
-        for job in pending:
+        for job in self._not_added():
             self._complete(job)
         self._publish()
         self._idle.set()
 
+    def _not_added(self) -> list[Job]:
+        """Jobs submitted that never reached the scheduler: taken from the inbox and not yet
+        handled, or still in it (emptied here)."""
+        with self._lock:
+            commands = [*self._taken, *self._inbox]
+            self._taken.clear()
+            self._inbox.clear()
+        return [payload for kind, payload in commands if kind == "add"]
+
     def _die(self, exc: BaseException) -> None:
         with self._lock:
             self._dead = exc
-            pending = [payload for kind, payload in self._inbox if kind == "add"]
-            self._inbox.clear()
+        pending = self._not_added()
         error = EngineDeadError(f"the engine loop died: {exc!r}")
         error.__cause__ = exc
         for job in [*self._live.values(), *pending]:

@@ -10,6 +10,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from engine.serving.errors import ContextLengthError
 from scheduler import SamplingParams
 
@@ -99,8 +101,7 @@ def check_params(params: Any, num_prompts: int, vocab_size: int) -> list[Samplin
         field = "params" if len(params_list) == 1 or params_list[0] is p else f"params[{i}]"
         if not isinstance(p, SamplingParams):
             raise ValueError(f"{field}: expected SamplingParams, got {type(p).__name__}")
-        # The params validated themselves when made (frozen since); only the model's limits
-        # are new here.
+        p = _own_copy(p, field)
         for token in p.stop_token_ids:
             if token >= vocab_size:
                 raise ValueError(
@@ -111,8 +112,25 @@ def check_params(params: Any, num_prompts: int, vocab_size: int) -> list[Samplin
                 raise ValueError(
                     f"{field}.logit_bias: {token!r} is not a token id in [0, {vocab_size})"
                 )
-        checked[id(p)] = p
-    return params_list
+        checked[id(params_list[i])] = p
+    return [checked[id(p)] for p in params_list]
+
+
+def _own_copy(params: SamplingParams, field: str) -> SamplingParams:
+    """The engine's own copy of ``params``, validated again. The struct is frozen but its
+    lists and dict are not: a caller who changed one after making it (a NaN bias, a
+    negative stop id) would have skipped the check, and one who changes it while the
+    request runs would change it under the engine, whose loop copies params to compare
+    requests (and would die on the invalid value)."""
+    try:
+        return msgspec.structs.replace(
+            params,
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            logit_bias=dict(params.logit_bias),
+        )
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{field}.{exc}") from None
 
 
 def check_fits(

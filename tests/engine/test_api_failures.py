@@ -135,3 +135,49 @@ def test_every_concurrent_close_returns_only_once_the_loop_has_stopped(make_engi
         closer.join(60)
     assert loop_alive_at_return == [False] * 4
     assert list(stream)[-1].finish_reason == "abort"
+
+
+def test_close_gives_requests_still_queued_an_abort_not_a_hang(make_engine) -> None:
+    """Requests submitted just before close() were taken from the inbox together with the
+    close and dropped: their callers waited forever."""
+    for _ in range(3):
+        eng = make_engine(page_size=16, num_pages=32)
+        handles = [eng.submit(f"Story {k}:", greedy(50)) for k in range(4)]
+        eng.close()
+        assert [h.result(timeout=30).finish_reason for h in handles] == ["abort"] * 4
+
+
+def test_a_result_can_be_read_again_once_taken(engine) -> None:
+    handle = engine.submit("Say yes.", greedy(3))
+    first = handle.result(timeout=120)
+    assert handle.result(timeout=1) is first
+    assert list(handle) == [first]
+
+    async def again():
+        return await handle.aresult()
+
+    import asyncio
+
+    assert asyncio.run(again()) is first
+
+
+def test_params_changed_after_they_were_made_are_checked_at_the_call(engine) -> None:
+    """SamplingParams is frozen, its list and dict fields are not: a value put in them after
+    the check is refused at the call, and one put in while the request runs changes nothing
+    (the engine runs its own copy; its loop had died on a NaN bias)."""
+    changed = greedy(3)
+    changed.logit_bias[5] = float("nan")
+    with pytest.raises(ValueError, match=r"^params\.logit_bias\[5\]: must be a number"):
+        engine.generate("Hello", changed)
+    negative = greedy(3)
+    negative.stop_token_ids.append(-1)
+    with pytest.raises(ValueError, match=r"^params\.stop_token_ids: must be a list of integers"):
+        engine.generate("Hello", negative)
+    params = greedy(12, ignore_eos=True)
+    [expected] = engine.generate("Hello", params)
+    handle = engine.submit("Hello", params)
+    params.logit_bias[expected.token_ids[0]] = float("nan")
+    params.stop.append("")
+    assert handle.result(timeout=120).token_ids == expected.token_ids
+    assert engine.alive
+    assert_idle_accounting(engine)

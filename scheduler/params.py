@@ -100,6 +100,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        # vLLM's spellings: one stop string as a str, top_k -1 for off.
+        if isinstance(self.stop, str):
+            msgspec.structs.force_setattr(self, "stop", [self.stop])
+        if self.top_k == -1 and _is_int(self.top_k):
+            msgspec.structs.force_setattr(self, "top_k", 0)
         self.validate()
 
     def validate(self) -> None:
@@ -113,7 +118,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise ValueError(
+                f"top_k: must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}"
+            )
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT):

@@ -98,6 +98,8 @@ class ChatSession:
         )
         self._tools = tools
         self._tool_choice = tool_choice
+        if tools is None and tool_choice is not None:
+            raise ValueError("tool_choice: only allowed when tools are given")
         if tools is not None:  # the tool section joins the system turn once, byte-stable
             functions, [self._params] = offer_tools([params or SamplingParams()], tools, tool_choice)
             self._messages = with_tools(self._messages, functions)
@@ -122,13 +124,15 @@ class ChatSession:
         handle = self._engine.submit(ids, self._params_for(params), self._namespace)
         with abort_on_exit([handle]):  # interrupted: the turn is dropped
             output = handle.result()
-        self._record(messages, ids, output)
-        return output.text
+        return self._record(messages, ids, output).text
 
-    def stream(self, text: str, params: SamplingParams | None = None) -> TextStream:
-        """Like ``Engine.stream``: text deltas, then the RequestOutput; closing early aborts.
-        The request is submitted on the first ``next()``."""
-        messages, ids = self._prepare_turn(text)
+    def stream(
+        self, text: str, params: SamplingParams | None = None, role: str = "user"
+    ) -> TextStream:
+        """Like ``Engine.stream``: text deltas, then the RequestOutput (with tools, its
+        parsed calls, as ``last_output``); closing early aborts. The request is submitted on
+        the first ``next()``. ``role`` as for ``send``."""
+        messages, ids = self._prepare_turn(text, role)
         params = self._params_for(params)
         stream = TextStream(
             lambda: self._engine.submit(ids, params, self._namespace, stream=True)
@@ -167,11 +171,14 @@ class ChatSession:
         return messages, self._engine.encode(ids, "text")  # checked here, once
 
     def _record(self, messages: list[dict[str, str]], prompt_ids: list[int],
-                output: RequestOutput) -> None:
+                output: RequestOutput) -> RequestOutput:
+        """Adds the turn to the history (unless aborted); the output as the caller gets it
+        (with tools, its calls parsed)."""
         if output.finish_reason == "abort":
-            return
+            return output
         if self._tools is not None:
             output = with_parsed_calls(output)
         self._messages = [*messages, {"role": "assistant", "content": output.text}]
         self._conversation_ids = list(prompt_ids) + list(output.token_ids)
         self.last_output = output
+        return output

@@ -210,6 +210,8 @@ class Engine:
         """
         if tools is not None:
             return self._generate_with_tools(prompts, params, namespace, tools, tool_choice)
+        if tool_choice is not None:
+            raise ValueError("tool_choice: only allowed when tools are given")
         handles: list[RequestHandle] = []
         with abort_on_exit(handles):  # interrupted (KeyboardInterrupt) or a submit failed
             for ids, p in self._prepare(prompts, params, namespace):

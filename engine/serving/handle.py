@@ -215,13 +215,13 @@ class TextStream:
     ``close()`` aborts it and is safe from any thread, also while another thread waits in
     ``next()`` (which then gets the aborted output). A ``break`` does not tell an iterator
     anything: the request runs on while the stream is referenced, and is aborted when it is
-    closed or dropped. ``on_output``, when set, is called with the final output as it is
-    yielded.
+    closed or dropped. ``on_output``, when set, is called with the final output before it is
+    yielded, and what it returns is yielded instead (a chat session's parsed tool calls).
     """
 
     def __init__(self, start: Callable[[], RequestHandle]) -> None:
         self._start = start
-        self.on_output: Callable[[RequestOutput], None] | None = None
+        self.on_output: Callable[[RequestOutput], RequestOutput] | None = None
         self._handle: RequestHandle | None = None
         self._items: Iterator[str | RequestOutput] | None = None
         self._closed = False
@@ -237,7 +237,7 @@ class TextStream:
             self._items = iter(self._handle)
         item = next(self._items)
         if isinstance(item, RequestOutput) and self.on_output is not None:
-            self.on_output(item)
+            item = self.on_output(item)
         return item
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ def logits_row(seed: int = 0) -> torch.Tensor:
         ("temperature", float("inf")),
         ("top_p", 0.0),
         ("top_p", 1.5),
-        ("top_k", -1),
+        ("top_k", -2),
         ("top_k", 1.5),
         ("min_p", -0.1),
         ("min_p", 1.1),
@@ -35,7 +35,8 @@ def logits_row(seed: int = 0) -> torch.Tensor:
         ("seed", 1 << 63),
         ("seed", "7"),
         ("stop", [""]),
-        ("stop", "stop"),
+        ("stop", ""),
+        ("stop", 5),
         ("stop_token_ids", [-1]),
         ("stop_token_ids", ["a"]),
         ("ignore_eos", 1),
@@ -44,6 +45,11 @@ def logits_row(seed: int = 0) -> torch.Tensor:
 def test_invalid_params_raise_value_error_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_vllms_spellings_one_stop_string_and_top_k_minus_one_are_taken() -> None:
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
 
 
 def test_params_cannot_be_changed_after_construction_so_they_stay_valid() -> None:

@@ -76,6 +76,19 @@ def test_tools_need_conversations_and_a_known_named_tool(engine) -> None:
         engine.generate(user("hi"), greedy(4), tools=TOOLS,
                         tool_choice={"type": "function", "function": {"name": "nope"}})
     assert parse_tool_calls("plain reply") is None
+    with pytest.raises(ValueError, match=r"tool_choice: only allowed when tools are given"):
+        engine.generate(user("hi"), greedy(4), tool_choice="required")
+    with pytest.raises(ValueError, match=r"tool_choice: only allowed when tools are given"):
+        engine.chat(tool_choice="required")
+
+
+def test_a_streamed_chat_turn_yields_its_calls_and_streams_a_tool_result(engine) -> None:
+    session = engine.chat(params=greedy(60), tools=TOOLS, tool_choice="required")
+    *_, streamed = session.stream("What is the weather in Paris?")
+    assert streamed.tool_calls and streamed.finish_reason == "tool_calls"
+    assert streamed is session.last_output
+    *_, after = session.stream(json.dumps({"city": "Paris", "temperature": 21}), role="tool")
+    assert after.tool_calls and session.messages[-2]["role"] == "tool"
 
 
 ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

@@ -80,6 +80,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Tokens generated before EOS, a stop token or a stop string may end the request (vLLM's):
+    # until then those tokens are masked and stop strings are not looked for.
+    min_tokens: int = 0
     # None: no log-probabilities; k >= 0: the sampled token's and the k most likely tokens'.
     logprobs: int | None = None
     # None: none; k >= 0: each prompt token's log-probability given the tokens before it, and
@@ -135,6 +138,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens: must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
@@ -167,6 +175,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(
                 "structured_outputs: expected StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}"
+            )
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError(
+                "min_tokens: not supported with structured_outputs (a grammar decides where "
+                "the output may end)"
             )
 
     def _check_logit_bias(self) -> None:

@@ -80,6 +80,12 @@ class Request:
     def is_done(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 
+    def stop_tokens(self) -> set[int]:
+        """The tokens that would end this request: its stop ids, and EOS unless ignored."""
+        params = self.params
+        ignore_eos = params.ignore_eos and params.structured_outputs is None
+        return {*params.stop_token_ids, *(() if ignore_eos else self.eos_token_ids)}
+
     def is_stop_token(self, token: int) -> bool:
         """True if ``token`` ends this request (its text is then not part of the reply).
         ``ignore_eos`` does not hold under structured outputs: their grammar allows EOS only

@@ -23,14 +23,17 @@ from scheduler.request import Request
 
 
 def sampling_key(params: SamplingParams) -> SamplingParams | None:
-    """What decides a request's next token besides its tokens (its finishing knobs cleared),
-    or None where its rows cannot stand for another's: unseeded sampling, log-probabilities
-    (per-request results), structured outputs (a matcher per request)."""
+    """What decides a request's next token besides its tokens (its finishing knobs and its
+    prompt's scores, done before it decodes, cleared), or None where its rows cannot stand
+    for another's: unseeded sampling, log-probabilities (per-request results), structured
+    outputs (a matcher per request), ``min_tokens`` (its stop tokens are masked by count)."""
     if (not params.is_greedy and params.seed is None) or params.logprobs is not None:
         return None
-    if params.structured_outputs is not None:
+    if params.structured_outputs is not None or params.min_tokens:
         return None
-    return msgspec.structs.replace(params, max_new_tokens=1, stop=[], stop_token_ids=[])
+    return msgspec.structs.replace(
+        params, max_new_tokens=1, stop=[], stop_token_ids=[], prompt_logprobs=None
+    )
 
 
 def twin_key(request: Request) -> tuple[object, ...] | None:

@@ -69,6 +69,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
     # {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": lark} | {"json_object": true}
@@ -353,6 +354,7 @@ def choice_params(
                 stop=stop,
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,

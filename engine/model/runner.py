@@ -171,6 +171,7 @@ class ModelRunner:
             allowed = self.grammars.mask(
                 logits, [(entries[i].request, entries[i].draft, first) for i, first in spans]
             )
+        allowed = _hold_stops(allowed, logits, requests, steps)
         tokens = self.sampler.sample(
             allowed, [r.params for r in requests], steps, [r.prompt for r in requests], outputs
         )
@@ -246,3 +247,21 @@ class ModelRunner:
             dst.extend(entry.slots)
         self.pool.copy_slots(src, dst)
         return out
+
+
+def _hold_stops(
+    allowed: torch.Tensor, logits: torch.Tensor, requests: list[Any], steps: list[int]
+) -> torch.Tensor:
+    """Rows of requests short of their ``min_tokens`` with their stop tokens (EOS unless
+    ignored, the stop ids) at -inf: element-wise on those rows only, in a copy where
+    ``allowed`` is still the model's logits (log-probabilities stay the model's)."""
+    early = [j for j, r in enumerate(requests) if steps[j] < r.params.min_tokens]
+    if not early:
+        return allowed
+    if allowed is logits:
+        allowed = logits.clone()
+    for j in early:
+        banned = sorted(requests[j].stop_tokens())
+        if banned:
+            allowed[j, banned] = float("-inf")
+    return allowed

@@ -37,8 +37,14 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        # Stop strings count only where they end after the text of the first ``min_tokens``
+        # tokens (vLLM's min_tokens): ``_stops_after`` characters of it, once known.
+        self._min_tokens = min_tokens
+        self._pushed = 0
+        self._stops_after = 0
         self._skip_special = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
@@ -62,6 +68,7 @@ class IncrementalDetokenizer:
         """Adds one generated token; returns the newly visible text."""
         if self.stopped:
             return ""
+        self._pushed += 1
         self._ids.append(token_id)
         window = self._decode(self._ids[self._anchor :])
         pending = len(self._ids) - self._read
@@ -95,6 +102,9 @@ class IncrementalDetokenizer:
         self._raw += piece
         if not self._stop:
             return self._take(len(self._raw))
+        if self._pushed <= self._min_tokens:
+            self._stops_after = len(self._raw)
+            return self._take(len(self._raw) - self._held_back())
         hit = self._find_stop(start)
         if hit is not None:
             self._raw = self._raw[:hit]
@@ -107,7 +117,7 @@ class IncrementalDetokenizer:
         search_from = max(0, new_from - self._max_stop_len + 1)
         best: int | None = None
         for stop in self._stop:
-            at = self._raw.find(stop, search_from)
+            at = self._raw.find(stop, max(search_from, self._stops_after - len(stop) + 1))
             if at >= 0 and (best is None or at < best):
                 best = at
                 self.stop_string = stop

@@ -408,7 +408,9 @@ class Engine:
             next(self._request_ids), token_ids, params, namespace, self._eos_token_ids
         )
         handle = RequestHandle(request.id, self._loop.abort)
-        detokenizer = IncrementalDetokenizer(self._tokenizer, stop=params.stop, prompt_ids=token_ids)
+        detokenizer = IncrementalDetokenizer(
+            self._tokenizer, stop=params.stop, prompt_ids=token_ids, min_tokens=params.min_tokens
+        )
         self._loop.submit(Job(request, detokenizer, handle, stream))
         return handle
 

@@ -41,6 +41,25 @@ def test_stop_string_is_held_back_then_cut(tokenizer) -> None:
     assert detok.finish() == ""
 
 
+def test_stop_strings_count_only_where_they_end_after_min_tokens(tokenizer) -> None:
+    """vLLM's min_tokens: a stop string inside the first tokens' text is text; one that
+    ends after them stops, also when it began before."""
+    ids = tokenizer.encode("a, b, c, d, e", add_special_tokens=False)
+    pieces = [tokenizer.decode(ids[: k + 1]) for k in range(len(ids))]
+    first_comma = next(k for k, text in enumerate(pieces) if "," in text)
+    detok = IncrementalDetokenizer(tokenizer, stop=[","], min_tokens=first_comma + 1)
+    deltas = [detok.push(t) for t in ids]
+    assert detok.stopped and "".join(deltas) == detok.text
+    assert detok.text.count(",") == 1 and detok.text == "a, b"
+    straddling = tokenizer.encode("xx END yy", add_special_tokens=False)
+    ends = next(k for k in range(len(straddling))
+                if "END" in tokenizer.decode(straddling[: k + 1]))
+    detok = IncrementalDetokenizer(tokenizer, stop=[" END"], min_tokens=ends)
+    for t in straddling:
+        detok.push(t)
+    assert detok.stopped and detok.text == "xx"
+
+
 def test_text_that_only_looks_like_a_stop_prefix_is_released(tokenizer) -> None:
     ids = tokenizer.encode("The cat sat.", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, stop=["The dog"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from engine_helpers import greedy, user
 
 
@@ -39,3 +40,23 @@ def test_fresh_engine_is_idle(make_engine) -> None:
     assert eng.wait_idle(timeout=5)
     stats = eng.stats()
     assert (stats.counters.requests, stats.pages.free, stats.pages.total) == (0, 8, 8)
+
+
+def test_min_tokens_holds_back_eos_and_stop_strings_until_reached(engine) -> None:
+    """vLLM's min_tokens: EOS and stop ids are masked, and stop strings not looked for,
+    until that many tokens came; the tokens before are those without it."""
+    prompt = [{"role": "user", "content": "Say hi."}]
+    [free] = engine.generate(prompt, greedy(64))
+    assert free.finish_reason == "stop"
+    k = len(free.token_ids)  # the last one is EOS
+    [held] = engine.generate(prompt, greedy(64, min_tokens=k + 6))
+    assert len(held.token_ids) >= k + 6
+    assert held.token_ids[: k - 1] == free.token_ids[: k - 1]
+    assert free.token_ids[-1] not in held.token_ids[: k + 6]
+    [cut] = engine.generate("1, 2, 3, 4, 5,", greedy(16, stop=[","]))
+    [later] = engine.generate("1, 2, 3, 4, 5,", greedy(16, stop=[","], min_tokens=6))
+    assert "," not in cut.text and "," in later.text
+    assert later.finish_reason == "stop" and later.text.startswith(cut.text)
+    assert len(later.token_ids) > 6
+    with pytest.raises(ValueError, match=r"min_tokens: must be an integer in \[0, max_new"):
+        greedy(4, min_tokens=5)

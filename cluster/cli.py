@@ -116,6 +116,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     from cluster.serve import build_app, stop_hub
 
     started = time.perf_counter()
+    serving = False
     # A stop may come at any moment, start-up included (Ray's processes are already running
     # by the time /health first answers): from here on it unwinds through the cleanup below.
     _catch_stops()
@@ -130,6 +131,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
             ray.init(address=args.ray_address)
         _catch_stops()  # in case Ray installed handlers of its own
         serve.start(http_options={"host": args.host, "port": args.port})
+        serving = True  # from here requests may be in flight (/health answers before run returns)
         serve.run(build_app(config), name="radixkv", route_prefix="/", blocking=False)
         print(
             f"radixkv: {names[0]}: {args.replicas} replicas x {threads} threads, router "
@@ -146,6 +148,8 @@ def serve_replicas(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut cleanup
             signal.signal(sig, signal.SIG_IGN)
         if ray.is_initialized():
+            if serving:
+                _drain(config.hub_name, args.grace_period)
             with contextlib.suppress(Exception):
                 serve.shutdown()
             with contextlib.suppress(Exception):
@@ -153,6 +157,26 @@ def serve_replicas(args: argparse.Namespace) -> int:
             ray.shutdown()
     print("radixkv: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _drain(hub_name: str, grace_s: float) -> None:
+    """As one engine's server stops: refuse new requests (503), let those in flight finish
+    for ``grace_s``, then abort the rest in the replicas (their streams end with
+    finish_reason "abort" and [DONE]) and give those last chunks ``ENDING_S`` to go out.
+    Serve's own shutdown cut every request at once (no last chunk, no [DONE])."""
+    from ray import serve
+
+    from cluster.serve import close_replicas
+    from server.shutdown import ENDING_S
+
+    try:
+        front = serve.get_deployment_handle("OpenAIFront", app_name="radixkv")
+        if not front.drain.remote(grace_s).result(timeout_s=grace_s + 30):
+            close_replicas(hub_name)
+            front.drain.remote(ENDING_S).result(timeout_s=ENDING_S + 30)
+        time.sleep(0.5)  # the last chunks leave the proxy
+    except Exception as exc:  # draining must not keep the cluster up
+        print(f"radixkv: draining failed ({exc!r}); stopping anyway", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,7 @@ class EventHub:
         self._heard: dict[str, float] = {}  # replica -> when its stats last came
         self._silent_s = silent_s
         self._clock = clock
+        self._closing = False  # shutting down: replicas close their engines
 
     def publish(self, batch: KVEventBatch) -> bool:
         """Take a replica's next batch; False: the hub lost track, send ``publish_snapshot``."""
@@ -68,10 +69,17 @@ class EventHub:
         self._index.resync(snapshot)
         self._recent[snapshot.replica] = deque(maxlen=self._keep)
 
-    def publish_stats(self, replica: str, stats: Any) -> None:
-        """A replica's latest engine stats (any picklable record), for the front end."""
+    def publish_stats(self, replica: str, stats: Any) -> bool:
+        """A replica's latest engine stats (any picklable record), for the front end;
+        returns whether the replicas are to close their engines (``close_replicas``)."""
         self._stats[replica] = stats
         self._heard[replica] = self._clock()
+        return self._closing
+
+    def close_replicas(self) -> None:
+        """Shutting down, the grace period over: every replica closes its engine at its next
+        report (every 0.5 s), which ends what it still runs with finish_reason "abort"."""
+        self._closing = True
 
     def forget(self, replica: str) -> None:
         """The replica is gone: its hashes leave the mirror and, at the next pull, the routers."""

@@ -69,6 +69,11 @@ def stop_hub(name: str) -> None:
         pass
 
 
+def close_replicas(name: str) -> None:
+    """Every replica closes its engine within 0.5 s (shutting down: aborts what runs)."""
+    _hub(name).close_replicas.remote()
+
+
 def _hub(name: str) -> Any:
     return ray.get_actor(name, namespace=HUB_NAMESPACE)
 
@@ -124,7 +129,8 @@ class EngineReplica:
                 now = time.monotonic()
                 if now - last_stats >= stats_every_s:
                     last_stats = now
-                    self.hub.publish_stats.remote(self.name, stats)
+                    if ray.get(self.hub.publish_stats.remote(self.name, stats)):
+                        self.engine.close()  # shutting down: aborts what still runs
                     if batch is None:  # keep the router's view of our load fresh
                         self.hub.publish.remote(
                             KVEventBatch(self.name, self.publisher.epoch, 0, [], [], load)
@@ -168,6 +174,15 @@ class OpenAIFront:
     def _call(self, call: EngineCall) -> Any:
         return self._replicas.options(stream=True).generate.remote(call)
 
+    async def drain(self, grace_s: float) -> bool:
+        """Shutting down: new requests get a 503 (and /health), those in flight have up to
+        ``grace_s`` to finish; True once none is left."""
+        self._state.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.engine.num_waiting() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.engine.num_waiting()
+
     def _watch_stats(self) -> None:
         while True:
             try:
@@ -192,6 +207,7 @@ class OpenAIFront:
         from server import create_app
 
         app = create_app(self.engine, self._server)
+        self._state = app.state.server
 
         async def replicas(request: Request) -> JSONResponse:
             """Per-replica engine stats (requests, hit rate, load): what the bench reads."""

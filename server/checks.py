@@ -65,6 +65,9 @@ def check_queue(state: ServerState, adding: int) -> None:
     """Room for ``adding`` engine requests (prompts x n): a 400 if one HTTP request asks for
     more than any may, a 503 + Retry-After while the queue has no room for them."""
     config = state.config
+    if state.draining:
+        state.metrics.reject("shutting_down")
+        raise overloaded("the server is shutting down; retry on another", code="shutting_down")
     if adding > config.max_choices:
         raise invalid(
             f"n: {adding} completions (prompts x n) in one request; at most "

@@ -74,12 +74,12 @@ def unauthorized() -> APIError:
     )
 
 
-def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+def overloaded(message: str, retry_after_s: int = 1, code: str = "queue_full") -> APIError:
     return APIError(
         503,
         message,
         type="service_unavailable_error",
-        code="queue_full",
+        code=code,
         headers={"Retry-After": str(retry_after_s)},
     )
 

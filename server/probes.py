@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.errors import engine_dead
+from server.errors import engine_dead, overloaded
 from server.metrics import CONTENT_TYPE
 from server.state import ServerState
 
@@ -15,6 +15,8 @@ from server.state import ServerState
 async def health(state: ServerState, request: Request) -> Response:
     if not state.engine.alive:
         return engine_dead("the engine loop is not running").response()
+    if state.draining:  # a load balancer's cue to send no more
+        return overloaded("shutting down", code="shutting_down").response()
     return JSONResponse({"status": "ok"})
 
 

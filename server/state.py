@@ -32,6 +32,8 @@ class ServerState:
         self.metrics = ServerMetrics(engine, config.model_name)
         self.texts = TokenTexts(engine.tokenizer)
         self.created = int(time.time())
+        # Shutting down (replicas' SIGTERM): new requests get a 503, those in flight finish.
+        self.draining = False
         # A text of more characters than this cannot fit the context whatever its tokens:
         # no token spells more than the vocabulary's longest entry.
         longest = max(map(len, engine.tokenizer.get_vocab()), default=1)

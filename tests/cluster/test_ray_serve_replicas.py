@@ -292,3 +292,57 @@ def test_a_stop_right_after_start_up_exits_cleanly_and_leaves_no_process() -> No
         time.sleep(0.5)
     left = [p.name() for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert left == [], left
+
+
+def test_sigterm_refuses_new_requests_lets_short_streams_finish_and_ends_long_ones() -> None:
+    """As one engine's server: after SIGTERM new requests get a 503, a stream that ends
+    within --grace-period runs to its end, one that does not gets a last chunk
+    (finish_reason "abort") and [DONE]; exit 0. Serve's own shutdown cut them all."""
+    import threading
+
+    try:
+        server = ServerProcess(
+            "--replicas", "2", "--threads", "1", "--num-pages", "96", "--grace-period", "4",
+            module="cluster.cli", ready_timeout=240.0,
+        )
+    except RuntimeError as exc:
+        pytest.skip(f"Ray Serve could not start here: {str(exc)[-2000:]}")
+    received: dict[int, list[str]] = {20: [], 1000: []}
+
+    def stream(max_tokens: int) -> None:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": f"A story, part {max_tokens}:",
+                "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            received[max_tokens].extend(line for line in r.iter_lines() if line)
+
+    readers = [threading.Thread(target=stream, args=(n,)) for n in received]
+    try:
+        deadline = time.monotonic() + 120  # /health answers before start-up is over
+        while "replicas x 1 threads" not in server.output():
+            assert time.monotonic() < deadline, server.output()[-2000:]
+            time.sleep(0.2)
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 120
+        while not all(len(lines) >= 2 for lines in received.values()):
+            assert time.monotonic() < deadline, received
+            time.sleep(0.05)
+        server.process.send_signal(15)
+        refused = None
+        for _ in range(40):  # the signal reaches the front within a moment
+            reply = httpx.post(server.url + "/v1/completions", timeout=30,
+                               json={"prompt": "late", "max_tokens": 2})
+            if reply.status_code == 503:
+                refused = reply
+                break
+            time.sleep(0.1)
+        assert refused is not None and refused.json()["error"]["code"] == "shutting_down"
+        for reader in readers:
+            reader.join(90)
+        assert server.process.wait(120) == 0, server.output()[-3000:]
+    finally:
+        if server.process.poll() is None:
+            server.stop(timeout=90)
+    short, long = received[20], received[1000]
+    assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2], short[-3:]
+    assert long[-1] == "data: [DONE]" and '"finish_reason":"abort"' in long[-2], long[-3:]

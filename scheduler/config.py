@@ -80,7 +80,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not isinstance(self.group_min_tokens, int) or self.group_min_tokens < 0:
+        if (
+            not isinstance(self.group_min_tokens, int)
+            or isinstance(self.group_min_tokens, bool)
+            or self.group_min_tokens < 0
+        ):
             raise ValueError(f"group_min_tokens: must be an int >= 0, got {self.group_min_tokens!r}")
         for name in ("reserve_ratio_init", "reserve_ratio_min", "reserve_margin", "reserve_decay"):
             value = getattr(self, name)

@@ -224,4 +224,7 @@ def _is_int(value: object) -> bool:
 
 
 def _is_real(value: object) -> bool:
-    return _is_int(value) or (isinstance(value, numbers.Real) and math.isfinite(value))
+    """A finite number (numpy's too), never a bool."""
+    return _is_int(value) or (
+        isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    )

@@ -333,12 +333,14 @@ class EngineLoop:
         job: Job, tokens: list[int], logprobs: list[TokenLogprob], now: float
     ) -> tuple[int, str]:
         """Feed a step's tokens for one request to its detokeniser, up to the first that ends
-        it (a stop token or a stop string; the scheduler never drafts past max_new_tokens).
-        Returns how many were taken and their text."""
+        it: a stop token, a stop string, or its ``max_new_tokens``-th (a twin catching up is
+        given its leader's tokens, which may run past its own limit). Returns how many were
+        taken and their text."""
         request = job.request
         text = []
         taken = 0
-        for index, token in enumerate(tokens):
+        room = request.max_new_tokens - len(request.output)
+        for index, token in enumerate(tokens[:room]):
             taken += 1
             job.token_times.append(now)
             job.unsent += 1

@@ -66,6 +66,30 @@ def test_a_twin_goes_on_alone_when_its_leader_is_aborted(engine: Engine, make_en
     assert_idle_accounting(eng)
 
 
+def test_a_twin_catching_up_past_its_own_limit_keeps_its_own_text(
+    engine: Engine, make_engine: Any
+) -> None:
+    """A twin that arrives while its leader is well ahead catches up in one step with the
+    leader's tokens: those past its own max_new_tokens were cut from its token_ids but had
+    reached its text, its stream and its inter-token gaps (', the city of Nova Haven was a
+    thriving metropolis, with' for ', the city of Nova')."""
+    short = greedy(5, ignore_eos=True)
+    [alone] = engine.generate([QUESTION], short)
+    eng = make_engine(page_size=16, num_pages=256)
+    leader = eng.submit(QUESTION, greedy(60, ignore_eos=True), stream=True)
+    ahead = iter(leader)  # kept: a dropped iterator aborts its request
+    for _ in range(12):  # the leader is 12 text deltas ahead
+        next(ahead)
+    before = shared_rows(eng)
+    items = list(eng.submit(QUESTION, short, stream=True))
+    leader.abort()
+    *deltas, twin = items
+    assert shared_rows(eng) - before > len(alone.token_ids)  # it did catch up by copying
+    assert twin.token_ids == alone.token_ids and twin.text == alone.text
+    assert "".join(deltas) == alone.text and len(twin.itl_s) == len(twin.token_ids) - 1
+    assert_idle_accounting(eng)
+
+
 def test_rows_are_not_shared_across_namespaces_or_where_results_are_per_request(
     make_engine: Any,
 ) -> None:

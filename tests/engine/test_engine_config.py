@@ -58,6 +58,7 @@ def test_scheduler_knobs_are_reached_by_their_plain_names() -> None:
         ({"kv_host_bytes": 1 << 20, "prefix_cache": False}, r"KV tiers need prefix_cache"),
         ({"kv_disk_bytes": 1 << 20}, r"kv_disk_bytes: needs kv_disk_dir"),
         ({"reserve_ratio": 0.5}, r"reserve_ratio: not an Engine or SchedulerConfig option"),
+        ({"group_min_tokens": True}, r"group_min_tokens: must be an int >= 0, got True"),
     ],
 )
 def test_bad_knobs_are_value_errors_naming_the_knob(knobs: dict, match: str) -> None:

@@ -25,6 +25,8 @@ def logits_row(seed: int = 0) -> torch.Tensor:
         ("temperature", -0.1),
         ("temperature", float("nan")),
         ("temperature", float("inf")),
+        ("temperature", True),
+        ("top_p", True),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -2),

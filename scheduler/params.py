@@ -78,6 +78,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = []
+    # The stop string that ended the output stays in its text (vLLM's); it is cut by default.
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     # Tokens generated before EOS, a stop token or a stop string may end the request (vLLM's):
@@ -135,6 +137,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
         ):
             raise ValueError(
                 f"stop_token_ids: must be a list of integers >= 0, got {self.stop_token_ids!r}"
+            )
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(
+                "include_stop_str_in_output: must be a bool, got "
+                f"{self.include_stop_str_in_output!r}"
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")

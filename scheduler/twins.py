@@ -32,7 +32,8 @@ def sampling_key(params: SamplingParams) -> SamplingParams | None:
     if params.structured_outputs is not None or params.min_tokens:
         return None
     return msgspec.structs.replace(
-        params, max_new_tokens=1, stop=[], stop_token_ids=[], prompt_logprobs=None
+        params, max_new_tokens=1, stop=[], stop_token_ids=[], prompt_logprobs=None,
+        include_stop_str_in_output=False,
     )
 
 

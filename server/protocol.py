@@ -70,6 +70,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
     # {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": lark} | {"json_object": true}
@@ -355,6 +356,7 @@ def choice_params(
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,

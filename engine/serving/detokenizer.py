@@ -28,7 +28,8 @@ class IncrementalDetokenizer:
 
     ``push(token_id)`` returns the new visible text (possibly ""). ``finish()`` flushes what
     was held back. ``text`` is everything visible so far; once ``stopped`` is True the text is
-    final (it ends just before the stop string) and further tokens are ignored.
+    final (it ends just before the stop string, or just after it with ``include_stop``) and
+    further tokens are ignored.
     """
 
     def __init__(
@@ -38,8 +39,10 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._include_stop = include_stop  # the text ends after the stop string, not before
         # Stop strings count only where they end after the text of the first ``min_tokens``
         # tokens (vLLM's min_tokens): ``_stops_after`` characters of it, once known.
         self._min_tokens = min_tokens
@@ -107,6 +110,9 @@ class IncrementalDetokenizer:
             return self._take(len(self._raw) - self._held_back())
         hit = self._find_stop(start)
         if hit is not None:
+            if self._include_stop:
+                assert self.stop_string is not None
+                hit += len(self.stop_string)
             self._raw = self._raw[:hit]
             self.stopped = True
             return self._take(hit)

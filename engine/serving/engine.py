@@ -409,7 +409,8 @@ class Engine:
         )
         handle = RequestHandle(request.id, self._loop.abort)
         detokenizer = IncrementalDetokenizer(
-            self._tokenizer, stop=params.stop, prompt_ids=token_ids, min_tokens=params.min_tokens
+            self._tokenizer, stop=params.stop, prompt_ids=token_ids, min_tokens=params.min_tokens,
+            include_stop=params.include_stop_str_in_output,
         )
         self._loop.submit(Job(request, detokenizer, handle, stream))
         return handle

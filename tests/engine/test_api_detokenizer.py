@@ -60,6 +60,13 @@ def test_stop_strings_count_only_where_they_end_after_min_tokens(tokenizer) -> N
     assert detok.stopped and detok.text == "xx"
 
 
+def test_a_stop_string_kept_in_the_text_when_asked(tokenizer) -> None:
+    ids = tokenizer.encode("The answer is 42. Then more text follows.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["Then", "never"], include_stop=True)
+    deltas = [detok.push(t) for t in ids] + [detok.finish()]
+    assert detok.stopped and "".join(deltas) == detok.text == "The answer is 42. Then"
+
+
 def test_text_that_only_looks_like_a_stop_prefix_is_released(tokenizer) -> None:
     ids = tokenizer.encode("The cat sat.", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, stop=["The dog"])

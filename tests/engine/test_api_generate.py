@@ -60,3 +60,12 @@ def test_min_tokens_holds_back_eos_and_stop_strings_until_reached(engine) -> Non
     assert len(later.token_ids) > 6
     with pytest.raises(ValueError, match=r"min_tokens: must be an integer in \[0, max_new"):
         greedy(4, min_tokens=5)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(engine) -> None:
+    [cut] = engine.generate("1, 2, 3, 4, 5,", greedy(16, stop=[" 8"]))
+    [kept] = engine.generate(
+        "1, 2, 3, 4, 5,", greedy(16, stop=[" 8"], include_stop_str_in_output=True)
+    )
+    assert kept.finish_reason == cut.finish_reason == "stop"
+    assert kept.text == cut.text + " 8" and kept.token_ids == cut.token_ids

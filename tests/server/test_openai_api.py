@@ -239,6 +239,11 @@ def test_completion_logprobs_and_stop_strings(client: openai.OpenAI) -> None:
     )
     assert " six" not in stopped.choices[0].text
     assert stopped.choices[0].finish_reason == "stop"
+    kept = client.completions.create(
+        model=MODEL, prompt="One, two, three, four,", max_tokens=16, temperature=0,
+        stop=[" six"], extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == stopped.choices[0].text + " six"
     assert reply.choices[0].text.startswith(stopped.choices[0].text)
 
 

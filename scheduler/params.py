@@ -100,6 +100,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
+    # Keep only the prompt's last k tokens (vLLM's; -1: as many as the model's context
+    # holds): a chat that outgrew the context goes on without its oldest turns.
+    truncate_prompt_tokens: int | None = None
     # The output must match this (a JSON schema, a regex, ...): every step's logits are
     # masked to the tokens it allows, and EOS only where it is complete.
     structured_outputs: StructuredOutputsParams | None = None
@@ -176,6 +179,12 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 f"{self.repetition_penalty!r}"
             )
         self._check_logit_bias()
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
+            raise ValueError(
+                f"truncate_prompt_tokens: must be None, an integer >= 1 or -1 (the model's "
+                f"context), got {k!r}"
+            )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

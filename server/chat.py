@@ -63,9 +63,12 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     else:
         budget = TokenBudget("max_tokens", req.max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
+    kept = req.truncate_prompt_tokens  # the prompt as the engine will keep it
+    context = state.engine.max_context
+    prompt_len = len(ids) if kept is None else min(len(ids), context if kept == -1 else kept)
     params = protocol.choice_params(
         req,
-        budget.tokens(len(ids), state.engine.max_context),
+        budget.tokens(prompt_len, context),
         top,
         renames={"max_new_tokens": budget.field, "logprobs": "top_logprobs"},
         structure=structure,

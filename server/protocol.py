@@ -71,6 +71,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
     # {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": lark} | {"json_object": true}
@@ -357,6 +358,7 @@ def choice_params(
                 ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,

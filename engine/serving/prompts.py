@@ -224,6 +224,9 @@ def prepare_prompts(
     for i, (item, p) in enumerate(zip(items, params_list)):
         field = "prompt" if len(items) == 1 else f"prompts[{i}]"
         ids = encode_prompt(tokenizer, item, vocab_size, field)
+        keep = max_context if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = list(ids[-keep:])  # its last tokens (vLLM's truncate_prompt_tokens)
         check_fits(len(ids), p.max_new_tokens, max_context, pool_tokens, field)
         prepared.append((ids, p))
     return prepared

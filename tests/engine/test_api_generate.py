@@ -69,3 +69,14 @@ def test_include_stop_str_in_output_keeps_the_stop_string(engine) -> None:
     )
     assert kept.finish_reason == cut.finish_reason == "stop"
     assert kept.text == cut.text + " 8" and kept.token_ids == cut.token_ids
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(engine) -> None:
+    ids = engine.encode("One, two, three, four, five, six, seven, eight, nine, ten,")
+    [kept] = engine.generate([ids], greedy(6, truncate_prompt_tokens=8))
+    [tail] = engine.generate([list(ids[-8:])], greedy(6))
+    assert kept.prompt_tokens == 8 and kept.token_ids == tail.token_ids
+    [whole] = engine.generate([ids], greedy(6, truncate_prompt_tokens=-1))
+    assert whole.prompt_tokens == len(ids)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens: must be None, an integer"):
+        greedy(6, truncate_prompt_tokens=0)

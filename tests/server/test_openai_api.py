@@ -244,6 +244,11 @@ def test_completion_logprobs_and_stop_strings(client: openai.OpenAI) -> None:
         stop=[" six"], extra_body={"include_stop_str_in_output": True},
     )
     assert kept.choices[0].text == stopped.choices[0].text + " six"
+    tail = client.completions.create(
+        model=MODEL, prompt="One, two, three, four,", max_tokens=2, temperature=0,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
+    assert tail.usage.prompt_tokens == 3
     assert reply.choices[0].text.startswith(stopped.choices[0].text)
 
 

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from engine.model.structured import JSON_LAYOUT, with_json_layout
 from scheduler import StructuredOutputsParams
 
 INSTRUCTION = (
@@ -30,7 +31,6 @@ INSTRUCTION = (
     '"<function name>", "arguments": {{<arguments>}}}}]}}. Otherwise reply in plain text.'
 )
 SEPARATORS = (", ", ": ")  # what the constrained JSON is generated with, and rendered with
-COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CHOICES = ("none", "auto", "required")
 
 
@@ -176,9 +176,9 @@ def _reply_rule(reply: StructuredOutputsParams | None) -> str:
         return "/[^{](.|\\n)*/"
     if reply.json is not None:
         schema = json.loads(reply.json) if isinstance(reply.json, str) else reply.json
-        return f"%json {json.dumps(schema)}"
+        return f"%json {json.dumps(with_json_layout(schema))}"
     if reply.json_object:
-        return '%json {"type": "object"}'
+        return f"%json {json.dumps(with_json_layout({'type': 'object'}))}"
     if reply.choice is not None:
         return " | ".join(map(json.dumps, reply.choice))
     raise ValueError(
@@ -208,7 +208,7 @@ def call_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, An
         "properties": {"tool_calls": array},
         "required": ["tool_calls"],
         "additionalProperties": False,
-        "x-guidance": COMPACT,
+        "x-guidance": JSON_LAYOUT,
     }
 
 

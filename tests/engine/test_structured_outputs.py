@@ -38,6 +38,30 @@ def test_json_schema_outputs_validate(engine) -> None:
     assert_idle_accounting(engine)
 
 
+FIGURES = {
+    "type": "object",
+    "properties": {
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "adult": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["tall", "kind", "old"]}, "maxItems": 3},
+    },
+    "required": ["age", "adult", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_json_is_laid_out_as_tool_calls_are_unless_the_schema_says_otherwise(engine) -> None:
+    """A space after ", " and ": ", no other whitespace: left free, the model spent tokens
+    on newlines between keys. A schema's own x-guidance layout still wins."""
+    outs = engine.generate(ASKS[:2], constrained(json=FIGURES))
+    for out in outs:
+        assert out.text == json.dumps(json.loads(out.text)), out.text
+    compact = {**FIGURES, "x-guidance": {"whitespace_flexible": False, "item_separator": ",",
+                                         "key_separator": ":"}}
+    [out] = engine.generate(ASKS[0], constrained(json=compact))
+    assert out.text == json.dumps(json.loads(out.text), separators=(",", ":")), out.text
+
+
 def test_regex_choice_grammar_and_json_object_match(engine) -> None:
     [phone] = engine.generate("My phone number is", constrained(regex=r"\d{3}-\d{4}"))
     assert re.fullmatch(r"\d{3}-\d{4}", phone.text)

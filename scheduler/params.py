@@ -80,6 +80,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop: list[str] = []
     # The stop string that ended the output stays in its text (vLLM's); it is cut by default.
     include_stop_str_in_output: bool = False
+    # Special tokens (<|im_end|>, ...) are left out of the text (vLLM's default).
+    skip_special_tokens: bool = True
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     # Tokens generated before EOS, a stop token or a stop string may end the request (vLLM's):
@@ -140,6 +142,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
         ):
             raise ValueError(
                 f"stop_token_ids: must be a list of integers >= 0, got {self.stop_token_ids!r}"
+            )
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(
+                f"skip_special_tokens: must be a bool, got {self.skip_special_tokens!r}"
             )
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(

@@ -33,7 +33,7 @@ def sampling_key(params: SamplingParams) -> SamplingParams | None:
         return None
     return msgspec.structs.replace(
         params, max_new_tokens=1, stop=[], stop_token_ids=[], prompt_logprobs=None,
-        include_stop_str_in_output=False,
+        include_stop_str_in_output=False, skip_special_tokens=True,
     )
 
 

@@ -71,6 +71,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
@@ -358,6 +359,7 @@ def choice_params(
                 ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,

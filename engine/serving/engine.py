@@ -411,6 +411,7 @@ class Engine:
         detokenizer = IncrementalDetokenizer(
             self._tokenizer, stop=params.stop, prompt_ids=token_ids, min_tokens=params.min_tokens,
             include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
         )
         self._loop.submit(Job(request, detokenizer, handle, stream))
         return handle

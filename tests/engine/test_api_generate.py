@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from engine_helpers import greedy, user
@@ -80,3 +81,16 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(engine) -> None:
     assert whole.prompt_tokens == len(ids)
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens: must be None, an integer"):
         greedy(6, truncate_prompt_tokens=0)
+
+
+def test_special_tokens_reach_the_text_only_when_asked(engine) -> None:
+    """A reply that ends on <|im_end|> with ignore_eos goes on past it: the text shows it
+    only with skip_special_tokens=False (vLLM's switch)."""
+    params = greedy(24, ignore_eos=True, stop_token_ids=[])
+    prompt = [{"role": "user", "content": "Say hi."}]
+    [plain] = engine.generate(prompt, params)
+    [shown] = engine.generate(prompt, msgspec.structs.replace(params, skip_special_tokens=False))
+    assert shown.token_ids == plain.token_ids
+    special = engine.tokenizer.convert_ids_to_tokens(plain.token_ids)
+    assert "<|im_end|>" in special  # the model ended its turn and went on
+    assert "<|im_end|>" in shown.text and "<|im_end|>" not in plain.text

@@ -103,7 +103,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     # Keep only the prompt's last k tokens (vLLM's; -1: as many as the model's context
-    # holds): a chat that outgrew the context goes on without its oldest turns.
+    # holds, which leaves no room to generate): with k = context - max_new_tokens, a chat
+    # that outgrew the context goes on without its oldest turns.
     truncate_prompt_tokens: int | None = None
     # The output must match this (a JSON schema, a regex, ...): every step's logits are
     # masked to the tokens it allows, and EOS only where it is complete.
@@ -200,8 +201,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             )
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError(
-                "min_tokens: not supported with structured_outputs (a grammar decides where "
-                "the output may end)"
+                "min_tokens: not supported with structured outputs or tools (a grammar "
+                "decides where the output may end)"
             )
 
     def _check_logit_bias(self) -> None:

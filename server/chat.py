@@ -31,7 +31,15 @@ from engine import (
 )
 from server import protocol
 from server.errors import as_api_error, invalid
-from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
+from server.generation import (
+    NO_USAGE,
+    TokenBudget,
+    envelope,
+    kept_prompt,
+    parse,
+    stream_usage,
+    submit,
+)
 from server.protocol import ChatRequest
 from server.responses import chat_logprobs, usage_of, vllm_prompt_logprobs
 from server.state import ServerState
@@ -63,12 +71,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     else:
         budget = TokenBudget("max_tokens", req.max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    kept = req.truncate_prompt_tokens  # the prompt as the engine will keep it
-    context = state.engine.max_context
-    prompt_len = len(ids) if kept is None else min(len(ids), context if kept == -1 else kept)
+    ids = kept_prompt(ids, req.truncate_prompt_tokens, state.engine.max_context)
     params = protocol.choice_params(
         req,
-        budget.tokens(prompt_len, context),
+        budget.tokens(len(ids), state.engine.max_context),
         top,
         renames={"max_new_tokens": budget.field, "logprobs": "top_logprobs"},
         structure=structure,

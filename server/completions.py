@@ -19,7 +19,15 @@ from starlette.responses import JSONResponse, Response
 from engine import PromptIds, RequestOutput, TokenLogprob
 from server import protocol
 from server.errors import as_api_error
-from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
+from server.generation import (
+    NO_USAGE,
+    TokenBudget,
+    envelope,
+    kept_prompt,
+    parse,
+    stream_usage,
+    submit,
+)
 from server.protocol import CompletionRequest
 from server.responses import completion_logprobs, usage_of, vllm_prompt_logprobs
 from server.state import ServerState
@@ -34,10 +42,12 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     protocol.check_completion_only(req)
     prompts = protocol.completion_prompts(req.prompt)
     fields = [f"prompt[{i}]" if len(prompts) > 1 else "prompt" for i in range(len(prompts))]
-    token_ids = [
+    encoded = [
         await state.encode(p, f, [p] if isinstance(p, str) else [])
         for p, f in zip(prompts, fields)
     ]
+    context = state.engine.max_context
+    token_ids = [kept_prompt(ids, req.truncate_prompt_tokens, context) for ids in encoded]
     asked = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     # max_tokens 0 with echo scores the prompt only: one token is generated and dropped.
     budget = TokenBudget("max_tokens", max(asked, 1))
@@ -47,7 +57,10 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         structure=protocol.structured_outputs(req),
         prompt_logprobs=max(scored) if scored else None,
     )
-    echo = [_echo_text(state, p, ids) if req.echo else "" for p, ids in zip(prompts, token_ids)]
+    echo = [
+        _echo_text(state, p, ids, len(ids) == len(full)) if req.echo else ""
+        for p, ids, full in zip(prompts, token_ids, encoded)
+    ]
     choices = submit(state, token_ids, fields, params, budget, req.cache_salt, req.stream)
     rid = f"cmpl-{uuid.uuid4().hex}"
     if req.stream:
@@ -92,8 +105,10 @@ def _by_prompt(outputs: list[RequestOutput], n: int) -> list[list[RequestOutput]
     return [outputs[i : i + n] for i in range(0, len(outputs), n)]
 
 
-def _echo_text(state: ServerState, prompt: str | list[int], ids: PromptIds) -> str:
-    return prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(ids)
+def _echo_text(state: ServerState, prompt: str | list[int], ids: PromptIds, whole: bool) -> str:
+    """The prompt as sent, or its ids' text where it came as ids or was truncated (``whole``
+    False: ``ids`` are the tokens ``truncate_prompt_tokens`` kept)."""
+    return prompt if isinstance(prompt, str) and whole else state.engine.tokenizer.decode(ids)
 
 
 def _item(

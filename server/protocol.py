@@ -260,9 +260,11 @@ def check_completion_only(req: CompletionRequest) -> None:
             f"best_of: only best_of == n is supported (no server-side ranking), got "
             f"best_of={req.best_of!r}, n={req.n!r}"
         )
-    if req.max_tokens == 0 and not req.echo:
+    asked = req.max_tokens
+    if asked is not None and (asked < 0 or (asked == 0 and not req.echo)):
         raise invalid(
-            "max_tokens: must be >= 1 (0, to score the prompt only, needs echo=true)",
+            f"max_tokens: must be >= 1 (0, to score the prompt only, needs echo=true), got "
+            f"{req.max_tokens}",
             param="max_tokens",
         )
 

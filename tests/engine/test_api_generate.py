@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from engine_helpers import greedy, user
 
+from engine import StructuredOutputsParams
+
 
 def test_prompt_kinds_give_the_same_answer_in_input_order(engine, tokenizer) -> None:
     text = "The three primary colours are"
@@ -61,6 +63,8 @@ def test_min_tokens_holds_back_eos_and_stop_strings_until_reached(engine) -> Non
     assert len(later.token_ids) > 6
     with pytest.raises(ValueError, match=r"min_tokens: must be an integer in \[0, max_new"):
         greedy(4, min_tokens=5)
+    with pytest.raises(ValueError, match=r"min_tokens: not supported with structured outputs"):
+        greedy(8, min_tokens=2, structured_outputs=StructuredOutputsParams(json_object=True))
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(engine) -> None:

@@ -102,6 +102,8 @@ MATRIX = [
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": -5, "echo": True}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400,

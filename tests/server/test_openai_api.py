@@ -219,7 +219,7 @@ def test_chat_logprobs_are_the_models_and_greedy_picks_the_best(client: openai.O
     assert text.startswith(reply.choices[0].message.content)
 
 
-def test_completion_logprobs_and_stop_strings(client: openai.OpenAI) -> None:
+def test_completion_logprobs_and_stop_strings(client: openai.OpenAI, local: Engine) -> None:
     reply = client.completions.create(
         model=MODEL,
         prompt="One, two, three, four,",
@@ -249,6 +249,15 @@ def test_completion_logprobs_and_stop_strings(client: openai.OpenAI) -> None:
         extra_body={"truncate_prompt_tokens": 3},
     )
     assert tail.usage.prompt_tokens == 3
+    echoed = client.completions.create(
+        model=MODEL, prompt="One, two, three, four,", max_tokens=2, temperature=0, logprobs=1,
+        echo=True, extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True},
+    ).choices[0]
+    kept = local.tokenizer.encode("One, two, three, four,")[-3:]
+    assert echoed.model_extra["prompt_token_ids"] == kept
+    assert echoed.text.startswith(local.tokenizer.decode(kept))
+    assert echoed.text == "".join(echoed.logprobs.tokens)
+    assert len(echoed.logprobs.tokens) == 3 + 2
     assert reply.choices[0].text.startswith(stopped.choices[0].text)
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from engine.serving.errors import ContextLengthError, EngineDeadError
     from engine.serving.handle import Delta, Done, Failed, RequestHandle, abort_on_exit
     from engine.serving.outputs import RequestOutput
-    from engine.serving.prompts import PromptPreparer
+    from engine.serving.prompts import PromptPreparer, kept_prompt
     from engine.serving.stats import EngineStats
     from engine.serving.tools import (
         CallScanner,
@@ -73,6 +73,7 @@ _HOMES = {
     "ContextLengthError": "engine.serving.errors",
     "EngineStats": "engine.serving.stats",
     "PromptPreparer": "engine.serving.prompts",
+    "kept_prompt": "engine.serving.prompts",
     "ChatSession": "engine.serving.chat",
     "ToolCall": "engine.serving.tools",
     "calls_text": "engine.serving.tools",
@@ -104,6 +105,7 @@ _HOMES = {
 
 __all__ = [
     "CallScanner",
+    "kept_prompt",
     "is_call_reply",
     "new_call_id",
     "scan_calls",

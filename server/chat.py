@@ -24,6 +24,7 @@ from engine import (
     check_tools,
     cut_tool_calls,
     is_call_reply,
+    kept_prompt,
     new_call_id,
     parse_tool_calls,
     tool_constraint,
@@ -31,15 +32,7 @@ from engine import (
 )
 from server import protocol
 from server.errors import as_api_error, invalid
-from server.generation import (
-    NO_USAGE,
-    TokenBudget,
-    envelope,
-    kept_prompt,
-    parse,
-    stream_usage,
-    submit,
-)
+from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
 from server.protocol import ChatRequest
 from server.responses import chat_logprobs, usage_of, vllm_prompt_logprobs
 from server.state import ServerState

@@ -16,18 +16,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import PromptIds, RequestOutput, TokenLogprob
+from engine import PromptIds, RequestOutput, TokenLogprob, kept_prompt
 from server import protocol
 from server.errors import as_api_error
-from server.generation import (
-    NO_USAGE,
-    TokenBudget,
-    envelope,
-    kept_prompt,
-    parse,
-    stream_usage,
-    submit,
-)
+from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
 from server.protocol import CompletionRequest
 from server.responses import completion_logprobs, usage_of, vllm_prompt_logprobs
 from server.state import ServerState

@@ -83,15 +83,6 @@ class TokenBudget:
         return invalid(message, param=where, code="context_length_exceeded")
 
 
-def kept_prompt(ids: PromptIds, keep: int | None, context: int) -> PromptIds:
-    """The prompt as ``truncate_prompt_tokens`` keeps it (its last ``keep`` tokens; -1: what
-    the context holds): what echo, ``prompt_token_ids`` and the default budget are about."""
-    if keep is None:
-        return ids
-    keep = context if keep == -1 else keep
-    return ids if keep < 1 or len(ids) <= keep else PromptIds(ids[-keep:])
-
-
 def submit(
     state: ServerState,
     prompts: Sequence[PromptIds],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.client import PromptIds
 from engine.model.structured import Grammars
@@ -203,6 +203,18 @@ def encode_one(tokenizer: Any, prompt: Any, vocab_size: int, field: str = "promp
     return PromptIds(encode_prompt(tokenizer, items[0], vocab_size, field))
 
 
+IdsT = TypeVar("IdsT", bound=list[int])
+
+
+def kept_prompt(ids: IdsT, keep: int | None, context: int) -> IdsT:
+    """The prompt as ``truncate_prompt_tokens`` keeps it: its last ``keep`` tokens (-1: what
+    the context holds), as the same kind of list (``PromptIds`` stay checked ids)."""
+    if keep is None:
+        return ids
+    keep = context if keep == -1 else keep
+    return ids if len(ids) <= keep else type(ids)(ids[-keep:])
+
+
 def prepare_prompts(
     tokenizer: Any,
     vocab_size: int,
@@ -224,9 +236,7 @@ def prepare_prompts(
     for i, (item, p) in enumerate(zip(items, params_list)):
         field = "prompt" if len(items) == 1 else f"prompts[{i}]"
         ids = encode_prompt(tokenizer, item, vocab_size, field)
-        keep = max_context if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
-        if keep is not None and len(ids) > keep:
-            ids = list(ids[-keep:])  # its last tokens (vLLM's truncate_prompt_tokens)
+        ids = kept_prompt(ids, p.truncate_prompt_tokens, max_context)
         check_fits(len(ids), p.max_new_tokens, max_context, pool_tokens, field)
         prepared.append((ids, p))
     return prepared

@@ -10,7 +10,6 @@ an engine only ever reads KV that it would itself have computed bit for bit.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ def build_tiers(loaded: LoadedModel, pool: KVPool, config: EngineConfig) -> KVTi
         meta = store_meta(loaded, pool)
         key = xxhash.xxh64(json.dumps(meta, sort_keys=True).encode()).hexdigest()
         disk = DiskStore(directory, kv_disk_bytes, key)
-        _write_meta(disk.directory / "store.json", meta)
+        disk.write_manifest(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     if host is None and disk is None:
         return None
     return KVTiers(pool, pool.page_size, host, disk)
@@ -84,11 +83,3 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
-
-def _write_meta(path: Path, meta: dict[str, Any]) -> None:
-    """A human-readable label of the store (read by nobody: the directory name is the key)."""
-    if path.exists():
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)

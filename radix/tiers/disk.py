@@ -15,10 +15,12 @@ A write that fails (a full disk) leaves no file behind, is counted in ``write_er
 logged, and its key leaves the index at the caller's next call: the store never claims a page
 it does not hold.
 
-Files hold every tenant's token ids next to their KV: the store's directories are 0700 and
-its files 0600, and one engine at a time owns a store (a lock file; a second engine on the
-same directory is refused rather than counting its own budget and deleting the other's
-half-written files).
+Files hold every tenant's token ids next to their KV (and ``store.json`` names the model):
+every directory the store creates is 0700 and every file it writes (pages, their temporary
+files, the lock, the manifest) 0600, set explicitly so that no umask widens or narrows them,
+and a store opened on files of an older, laxer version makes them private again. One engine at
+a time owns a store (a lock file; a second engine on the same directory is refused rather than
+counting its own budget and deleting the other's half-written files).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ _HEADER = struct.Struct("<8sQQI")  # magic, key, data bytes, token bytes
 _CHECKSUM = struct.Struct("<Q")
 SUFFIX = ".kv"
 LOCK_FILE = ".lock"
+MANIFEST = "store.json"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 log = logging.getLogger("radixkv.kv_disk")
 
 
@@ -240,8 +245,13 @@ class DiskStore:
         """Index the files a previous engine left (oldest first); clear half-written ones."""
         found: list[tuple[float, int, int]] = []
         for sub in self._root.iterdir():
-            if not sub.is_dir():
+            if sub.name.startswith(".") and sub.name.endswith(".tmp"):
+                _unlink(sub)  # a manifest a crash interrupted
                 continue
+            if not sub.is_dir():
+                _make_private(sub, FILE_MODE)
+                continue
+            _make_private(sub, DIR_MODE)
             for entry in os.scandir(sub):
                 name = entry.name
                 if name.startswith(".") and name.endswith(".tmp"):
@@ -254,6 +264,8 @@ class DiskStore:
                     stat = entry.stat()
                 except (ValueError, OSError):
                     continue
+                if stat.st_mode & 0o777 != FILE_MODE:
+                    _make_private(Path(entry.path), FILE_MODE)
                 found.append((stat.st_mtime, key, stat.st_size))
         found.sort()
         for _, key, size in found:
@@ -300,46 +312,90 @@ class DiskStore:
     def _write_file(self, key: int, record: PageRecord | None) -> None:
         assert record is not None
         path = self.path(key)
-        path.parent.mkdir(mode=0o700, exist_ok=True)
+        _private_dir(path.parent)
         tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            try:
-                view = memoryview(encode_record(record))
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError:
-            _unlink(tmp)  # a failed write leaves nothing behind
-            raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _write_private(tmp, path, encode_record(record))
+
+    def write_manifest(self, text: str) -> None:
+        """``store.json``: what the store holds, for a person (nobody reads it back: the
+        directory's name is the key). Written once, privately: it names what a tenant's
+        engine cached."""
+        path = self._root / MANIFEST
+        if path.exists():
+            _make_private(path, FILE_MODE)  # a laxer older version's manifest
+            return
+        tmp = self._root / f".{MANIFEST}.{os.getpid()}.{threading.get_ident()}.tmp"
+        _write_private(tmp, path, text.encode())
 
 
-def ensure_directory(directory: Path, created_mode: int = 0o777) -> None:
-    """``directory`` and its parents exist (new ones with ``created_mode``); a ValueError
-    naming ``kv_disk_dir`` where it cannot be (read-only, a path under a file, no access)."""
+def ensure_directory(directory: Path) -> None:
+    """``directory`` and its parents exist, those created here 0700 (ones that exist keep
+    their modes: the operator's); a ValueError naming ``kv_disk_dir`` where it cannot be
+    (read-only, a path under a file, no access)."""
+    missing = []
+    parent = directory
+    while not parent.is_dir() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
     try:
-        directory.mkdir(mode=created_mode, parents=True, exist_ok=True)
+        for path in reversed(missing):
+            _private_dir(path)
     except OSError as exc:
         raise ValueError(
             f"kv_disk_dir: cannot use {str(directory)!r}: {exc.strerror or exc}"
         ) from exc
 
 
-def _open_locked(directory: Path, root: Path) -> int:
-    """Create ``root`` (0700) and take its lock file; a ValueError naming ``kv_disk_dir``
-    when the directory cannot be used or another engine holds the store."""
-    ensure_directory(root, 0o700)
+def _private_dir(path: Path) -> None:
+    """``path`` exists as a directory and is 0700, whatever the umask."""
     try:
-        root.chmod(0o700)
-        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        path.mkdir(mode=DIR_MODE)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+    if path.stat().st_mode & 0o777 != DIR_MODE:
+        path.chmod(DIR_MODE)
+
+
+def _make_private(path: Path, mode: int) -> None:
+    try:
+        path.chmod(mode)
+    except FileNotFoundError:
+        pass
+
+
+def _write_private(tmp: Path, path: Path, data: bytes) -> None:
+    """``data`` in ``path``, 0600 whatever the umask, crash-safe: written to ``tmp``,
+    fsynced, renamed into place, the directory fsynced; a failed write leaves nothing."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        try:
+            os.fchmod(fd, FILE_MODE)  # the umask narrowed the mode above, never widens it
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        _unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _open_locked(directory: Path, root: Path) -> int:
+    """Create ``root`` (0700) and take its lock file (0600); a ValueError naming
+    ``kv_disk_dir`` when the directory cannot be used or another engine holds the store."""
+    ensure_directory(root)
+    try:
+        _private_dir(root)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        os.fchmod(fd, FILE_MODE)
     except OSError as exc:
         raise ValueError(
             f"kv_disk_dir: cannot use {str(directory)!r}: {exc.strerror or exc}"

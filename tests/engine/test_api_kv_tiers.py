@@ -5,6 +5,7 @@ pool, and aborts and preemption around loads lose no page."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,27 @@ def test_a_restarted_engine_gets_its_hits_back_from_disk(
         assert other.stats().counters.cached_tokens == 0
     stores = sorted(p.parent.name for p in tmp_path.glob("*/store.json"))
     assert len(stores) == 2
+
+
+def test_everything_the_disk_tier_writes_is_private_under_a_permissive_umask(
+    loaded_fp32: Any, tmp_path: Path
+) -> None:
+    """Page files hold tenants' token ids, store.json names the model they ran on: every
+    directory the engine creates for the tier is 0700, every file 0600 (store.json was 0644,
+    the directories 0775 under this umask)."""
+    old = os.umask(0o002)
+    try:
+        with Engine(model=loaded_fp32, num_pages=256, kv_disk_dir=tmp_path / "kv") as eng:
+            eng.generate(PROMPTS[:1], greedy(NEW))  # close() writes its pages down
+    finally:
+        os.umask(old)
+    found = {p.relative_to(tmp_path): p.lstat().st_mode & 0o777 for p in tmp_path.rglob("*")}
+    assert any(p.name == "store.json" for p in found) and any(p.suffix == ".kv" for p in found)
+    wrong = {
+        str(p): oct(mode) for p, mode in found.items()
+        if mode != (0o700 if (tmp_path / p).is_dir() else 0o600)
+    }
+    assert wrong == {}
 
 
 def test_damaged_page_files_are_misses_and_answers_stay_exact(

@@ -263,14 +263,68 @@ def test_the_disk_budget_deletes_least_recently_used_files(tmp_path: Path) -> No
     again.close()
 
 
-def test_page_files_and_their_directories_are_the_owners_alone(tmp_path: Path) -> None:
-    """Files hold tenants' token ids: 0600 files in 0700 directories, whatever the umask."""
-    store, record = _stored(tmp_path)
-    path = store.path(record.key)
-    assert path.stat().st_mode & 0o777 == 0o600
-    assert path.parent.stat().st_mode & 0o777 == 0o700
-    assert store.directory.stat().st_mode & 0o777 == 0o700
+def _modes(top: Path) -> dict[str, int]:
+    """Every directory and file under ``top`` (itself included) -> its permission bits."""
+    modes = {".": top.stat().st_mode & 0o777}
+    for path in top.rglob("*"):
+        modes[str(path.relative_to(top))] = path.lstat().st_mode & 0o777
+    return modes
+
+
+def test_every_file_and_directory_the_store_writes_is_private_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    """Files hold tenants' token ids and the manifest names the model: 0600 files in 0700
+    directories, under a permissive umask too, from the directories the store creates down
+    to the lock, the manifest and a temporary file caught mid-write."""
+    old = os.umask(0o002)
+    try:
+        target = tmp_path / "kv" / "deeper"  # created by the store
+        store = DiskStore(target, 1 << 20, "m")
+        store.write_manifest('{"model": "m"}\n')
+        for key in (1, 2 << 56, 3 << 56):
+            assert store.put(PageRecord(key, b"\1\0\0\0", b"kv" * 8))
+        store.flush()
+        seen_tmp: list[int] = []
+        original = os.replace
+
+        def replace(src, dst):  # look at the temporary file just before it is renamed
+            seen_tmp.append(os.stat(src).st_mode & 0o777)
+            return original(src, dst)
+
+        os.replace = replace
+        try:
+            assert store.put(PageRecord(4 << 56, b"\1\0\0\0", b"kv" * 8))
+            store.flush()
+        finally:
+            os.replace = original
+        store.close()
+    finally:
+        os.umask(old)
+    assert seen_tmp == [0o600]
+    modes = _modes(tmp_path / "kv")
+    assert {"deeper/m/store.json", "deeper/m/.lock", "deeper/m/04"} <= set(modes)
+    assert len([name for name in modes if name.endswith(".kv")]) == 4
+    wrong = {
+        name: oct(mode) for name, mode in modes.items()
+        if mode != (0o700 if (tmp_path / "kv" / name).is_dir() else 0o600)
+    }
+    assert wrong == {}
+
+
+def test_a_store_made_private_again_when_an_older_version_left_it_readable(
+    tmp_path: Path,
+) -> None:
+    """store.json was 0644 (and a umask could widen directories): reopening fixes them."""
+    store, _ = _stored(tmp_path)
+    store.write_manifest("{}\n")
     store.close()
+    for path in [store.directory, *store.directory.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    DiskStore(tmp_path, 1 << 20, "m").close()
+    modes = _modes(store.directory)
+    assert set(modes.values()) == {0o700, 0o600}, modes
+    assert modes["store.json"] == 0o600 and modes["."] == 0o700
 
 
 def test_a_second_store_on_the_same_directory_is_refused(tmp_path: Path) -> None:

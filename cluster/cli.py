@@ -106,9 +106,10 @@ def serve_replicas(args: argparse.Namespace) -> int:
         # 127.0.0.1 for the machine's address and binds its gRPC servers to every interface.
         # Read when Ray is imported, inherited by every process it starts.
         os.environ[LOCAL_ONLY_ENV] = "0"
-        # One server stays on every interface: Serve's inter-deployment gRPC server of the
-        # front end's replica (bound to [::] in Ray Serve's code). Ray's token authentication
-        # guards it; it is asked for explicitly rather than left to Ray's default.
+        # Each Serve replica's inter-deployment gRPC server, bound to [::] in Ray Serve's
+        # code, is rebound to the node's address by our replicas (cluster.serve.
+        # bind_replica_grpc_to_node) and checked below; Ray's token authentication is asked
+        # for as well, explicitly rather than left to Ray's default.
         os.environ.setdefault(AUTH_ENV, "token")
     import ray
     from ray import serve
@@ -133,6 +134,16 @@ def serve_replicas(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serving = True  # from here requests may be in flight (/health answers before run returns)
         serve.run(build_app(config), name="radixkv", route_prefix="/", blocking=False)
+        exposed = _exposed_listeners() if args.ray_address is None else []
+        if exposed:
+            print(
+                "radixkv: error: the local Ray cluster listens beyond loopback ("
+                + ", ".join(exposed)
+                + "); refusing to serve: anyone who reaches these ports runs code as this user",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 2
         print(
             f"radixkv: {names[0]}: {args.replicas} replicas x {threads} threads, router "
             f"{args.router}, on http://{args.host}:{args.port} (ready in "
@@ -157,6 +168,34 @@ def serve_replicas(args: argparse.Namespace) -> int:
             ray.shutdown()
     print("radixkv: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _exposed_listeners() -> list[str]:
+    """Every listening socket of this process and those it started (GCS, raylet, agents,
+    workers, Serve's actors) that is not on loopback, as "name (pid) on address:port".
+    Run once every replica is up (each starts its servers as it initialises), to refuse
+    to serve where a Ray component binds beyond the address it was given."""
+    import ipaddress
+
+    import psutil  # Ray's own dependency (vendored with it)
+
+    def loopback(ip: str) -> bool:
+        address = ipaddress.ip_address(ip.split("%", 1)[0])
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+        return (mapped or address).is_loopback
+
+    root = psutil.Process()
+    found = []
+    for process in (root, *root.children(recursive=True)):
+        try:
+            name = process.name()
+            sockets = process.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        for s in sockets:
+            if s.status == psutil.CONN_LISTEN and not loopback(s.laddr.ip):
+                found.append(f"{name} ({process.pid}) on {s.laddr.ip}:{s.laddr.port}")
+    return found
 
 
 def _drain(hub_name: str, grace_s: float) -> None:

@@ -78,6 +78,44 @@ def _hub(name: str) -> Any:
     return ray.get_actor(name, namespace=HUB_NAMESPACE)
 
 
+# ------------------------------------------------------------------- where replicas listen
+
+_WILDCARDS = ("[::]:", "0.0.0.0:")
+
+
+def bind_replica_grpc_to_node() -> None:
+    """Make this replica's inter-deployment gRPC server listen on this node's address only.
+
+    Ray Serve binds that server (every replica has one) to ``[::]:0`` in its own code
+    (``ray/serve/_private/replica.py``, ``_on_initialized``); no option or variable changes
+    it, so each replica listened on every interface, and Ray's handles reach it at the
+    node's address anyway. Called first in each replica's constructor, which Serve runs
+    before it starts that server, in the same process. Where this Ray has no such hook, the
+    replica refuses to start (a RuntimeError that says why) rather than listen everywhere.
+    """
+    from ray.serve._private import replica as serve_replica
+
+    original = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if original is None or not callable(original):
+        raise RuntimeError(
+            f"Ray {ray.__version__}: cannot bind Ray Serve's replica gRPC server to this "
+            "node's address (ray.serve._private.replica.add_port_to_grpc_server is gone); "
+            "refusing to listen on every interface"
+        )
+    if getattr(original, "radixkv_node", None) is not None:
+        return  # already bound (a second replica class in the same process)
+    node = ray.util.get_node_ip_address()
+    host = f"[{node}]" if ":" in node else node
+
+    def add_port(server: Any, address: str) -> int:
+        if address.startswith(_WILDCARDS):
+            address = f"{host}:{address.rsplit(':', 1)[1]}"
+        return original(server, address)
+
+    add_port.radixkv_node = node  # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = add_port
+
+
 # ----------------------------------------------------------------------------- replicas
 
 
@@ -86,6 +124,7 @@ class EngineReplica:
     """One Engine; streams each ``EngineCall``'s events back and publishes its KV events."""
 
     def __init__(self, config: EngineConfig, hub_name: str) -> None:
+        bind_replica_grpc_to_node()
         import torch
 
         from engine import Engine
@@ -159,6 +198,7 @@ class OpenAIFront:
     """The OpenAI app over a ``RemoteEngine``: requests go out as token ids."""
 
     def __init__(self, replicas: Any, config: ClusterConfig) -> None:
+        bind_replica_grpc_to_node()
         from engine import load_front
 
         self._replicas = replicas

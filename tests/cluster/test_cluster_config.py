@@ -31,3 +31,29 @@ def test_bad_replica_settings_exit_2_before_ray_starts(argv, match, capsys) -> N
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert f"radixkv: error: {match}" in err and "Traceback" not in err
+
+
+def test_the_start_up_check_names_a_socket_listening_beyond_loopback() -> None:
+    """What ``serve --replicas`` checks once the application is up (and refuses to serve
+    on): a listener on every interface is named, loopback ones (IPv4, IPv6) are not."""
+    import socket
+
+    pytest.importorskip("psutil")
+    from cluster.cli import _exposed_listeners
+
+    sockets = []
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1"),
+                         (socket.AF_INET, "0.0.0.0")):
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.bind((host, 0))
+        s.listen()
+        sockets.append(s)
+    try:
+        exposed = _exposed_listeners()
+        port = sockets[2].getsockname()[1]
+        assert any(entry.endswith(f" on 0.0.0.0:{port}") for entry in exposed), exposed
+        for s in sockets[:2]:
+            assert not any(f":{s.getsockname()[1]}" in entry for entry in exposed), exposed
+    finally:
+        for s in sockets:
+            s.close()

@@ -16,6 +16,9 @@
 //
 // Fused around the product (each row-wise, so invariant too): an RMSNorm of the input rows,
 // SiLU(gate) * up of the input's two halves, a bias and a residual added to the output.
+//
+// Every argument is checked on the calling thread before the parallel region, and no
+// exception leaves it: a bad call is a RuntimeError (see guard.h).
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -29,6 +32,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "guard.h"
 
 namespace {
 
@@ -386,16 +391,22 @@ void bf16_row(const float* x, int64_t K, uint16_t* out) {
   for (; k < K; ++k) out[k] = to_bf16(x[k]);
 }
 
+void check_cpu(const torch::Tensor& t, const char* name) {
+  ARG_CHECK(t.device().is_cpu(), name, ": must be a CPU tensor, got one on ", t.device());
+}
+
 // w [N, K] (a linear layer's weight, transformers' layout) -> packed panels.
 torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2, "w: [N, K]");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16,
-              "w: float32 or bfloat16");
+  check_cpu(w, "w");
+  ARG_CHECK(w.dim() == 2, "w: [N, K], got ", w.dim(), " dims");
+  ARG_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16,
+            "w: float32 or bfloat16, got ", w.scalar_type());
   const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR;
   auto wc = w.contiguous();
   if (w.scalar_type() == torch::kBFloat16 && kDotBF16) {
     const int64_t K2 = (K + 1) / 2;
     auto out = torch::zeros({panels, K2, NR * 2}, w.options());
+    if (out.numel() == 0) return out;
     const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
     uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     for (int64_t n = 0; n < N; ++n)
@@ -415,39 +426,63 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
                     c10::optional<torch::Tensor> norm_weight, double eps,
                     c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual,
                     int64_t threads) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
-              "x: float32 [M, K] with unit column stride");
+  check_cpu(x, "x");
+  ARG_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+            "x: float32 [M, K] with unit column stride");
+  ARG_CHECK(prologue == NONE || prologue == RMSNORM || prologue == SILU_MUL,
+            "prologue: 0 (none), 1 (RMSNorm) or 2 (SiLU * up), got ", prologue);
+  ARG_CHECK(prologue != SILU_MUL || x.size(1) % 2 == 0,
+            "x: SiLU * up takes [M, 2K] (gate | up), got an odd ", x.size(1), " features");
+  check_cpu(packed, "packed");
+  ARG_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                (packed.scalar_type() == torch::kFloat ||
+                 packed.scalar_type() == torch::kBFloat16),
+            "packed: a contiguous float32 or bfloat16 [panels, K, ", NR, "] from pack()");
+  const bool dot = packed.scalar_type() == torch::kBFloat16 && kDotBF16;
+  ARG_CHECK(packed.size(2) == (dot ? 2 * NR : NR), "packed: [panels, K, ",
+            dot ? 2 * NR : NR, "] from pack(), got ", packed.size(2), " in its last dim");
+  ARG_CHECK(threads >= 1 && threads <= radixkv::kMaxThreads, "threads: 1 to ",
+            radixkv::kMaxThreads, ", got ", threads);
   const int64_t M = x.size(0);
   const int64_t K_in = prologue == SILU_MUL ? x.size(1) / 2 : x.size(1);
-  const bool dot = packed.scalar_type() == torch::kBFloat16 && kDotBF16;
   const int64_t K = packed.size(1);  // float path: K; dot path: K / 2 pairs
-  TORCH_CHECK((dot ? 2 * K : K) >= K_in && (dot ? 2 * K - K_in <= 1 : K == K_in),
-              "x: its features do not match the packed weight");
-  TORCH_CHECK(n <= packed.size(0) * NR, "n: more columns than packed");
+  ARG_CHECK((dot ? 2 * K : K) >= K_in && (dot ? 2 * K - K_in <= 1 : K == K_in),
+            "x: its features do not match the packed weight");
+  ARG_CHECK(n >= 0 && n <= packed.size(0) * NR, "n: 0 to the ", packed.size(0) * NR,
+            " columns packed, got ", n);
   const float* nw = nullptr;
   if (prologue == RMSNORM) {
-    TORCH_CHECK(norm_weight.has_value() && norm_weight->scalar_type() == torch::kFloat &&
-                    norm_weight->numel() == K_in && norm_weight->is_contiguous(),
-                "norm_weight: float32 [K]");
+    ARG_CHECK(norm_weight.has_value() && norm_weight->device().is_cpu() &&
+                  norm_weight->scalar_type() == torch::kFloat && norm_weight->numel() == K_in &&
+                  norm_weight->is_contiguous(),
+              "norm_weight: float32 [K], contiguous, for RMSNorm");
     nw = norm_weight->data_ptr<float>();
   }
   Epilogue e{nullptr, nullptr, 0};
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == n &&
-                    bias->is_contiguous(), "bias: float32 [N]");
+    check_cpu(*bias, "bias");
+    ARG_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == n &&
+                  bias->is_contiguous(), "bias: float32 [N], contiguous");
     e.bias = bias->data_ptr<float>();
   }
   if (residual.has_value()) {
-    TORCH_CHECK(residual->scalar_type() == torch::kFloat && residual->dim() == 2 &&
-                    residual->size(0) == M && residual->size(1) == n && residual->stride(1) == 1,
-                "residual: float32 [M, N]");
+    check_cpu(*residual, "residual");
+    ARG_CHECK(residual->scalar_type() == torch::kFloat && residual->dim() == 2 &&
+                  residual->size(0) == M && residual->size(1) == n &&
+                  (residual->stride(1) == 1 || n <= 1),
+              "residual: float32 [M, N] with unit column stride");
     e.residual = residual->data_ptr<float>();
     e.ldr = residual->stride(0);
   }
   auto y = torch::empty({M, n}, x.options());
-  if (M == 0) return y;
+  if (M == 0 || n == 0) return y;
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
+  // Every data pointer is taken here, on the calling thread (data_ptr<T> throws on a dtype
+  // mismatch; nothing inside the region may).
+  const void* wp = dot || packed.scalar_type() == torch::kBFloat16
+                       ? static_cast<const void*>(packed.data_ptr<at::BFloat16>())
+                       : static_cast<const void*>(packed.data_ptr<float>());
   // The input as the product reads it: transformed rows, or bf16 pairs for the dot path.
   const bool staged = prologue != NONE || dot;
   const int64_t lds = dot ? 2 * K : K;
@@ -457,50 +492,54 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
   float* yp = y.data_ptr<float>();
   std::atomic<int64_t> next{0};
+  radixkv::RegionErrors errors;  // no exception leaves the region; rethrown after it
 
 #pragma omp parallel num_threads(nt)
   {
     if (staged) {
-      std::vector<float> row(dot ? K_in : 0);
+      std::vector<float> row;
+      errors.run([&] { row.resize(dot ? K_in : 0); });
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
-        const float* src = xp + m * ldx;
-        float* to = dot ? row.data() : stage_f.data() + m * lds;
-        if (prologue == RMSNORM) rmsnorm_row(src, K_in, nw, eps, to);
-        else if (prologue == SILU_MUL) silu_mul_row(src, K_in, to);
-        else std::memcpy(to, src, K_in * sizeof(float));
-        if (dot) {
-          uint16_t* h = stage_h.data() + m * lds;
-          bf16_row(to, K_in, h);
-          for (int64_t k = K_in; k < lds; ++k) h[k] = 0;
-        }
+        errors.run([&] {
+          const float* src = xp + m * ldx;
+          float* to = dot ? row.data() : stage_f.data() + m * lds;
+          if (prologue == RMSNORM) rmsnorm_row(src, K_in, nw, eps, to);
+          else if (prologue == SILU_MUL) silu_mul_row(src, K_in, to);
+          else std::memcpy(to, src, K_in * sizeof(float));
+          if (dot) {
+            uint16_t* h = stage_h.data() + m * lds;
+            bf16_row(to, K_in, h);
+            for (int64_t k = K_in; k < lds; ++k) h[k] = 0;
+          }
+        });
       }  // implicit barrier: every row staged before any product reads it
     }
     // Columns are claimed in runs of CLAIM panels, first come first served: a thread that
     // the OS preempts (another process on the core) holds up only the run it is in, and
     // which thread computes a column never changes what it computes.
     auto each_run = [&](auto&& sweep_run) {
-      for (int64_t p0 = next.fetch_add(CLAIM); p0 < panels; p0 = next.fetch_add(CLAIM))
-        sweep_run(p0, std::min<int64_t>(panels, p0 + CLAIM));
+      errors.run([&] {
+        for (int64_t p0 = next.fetch_add(CLAIM); p0 < panels; p0 = next.fetch_add(CLAIM))
+          sweep_run(p0, std::min<int64_t>(panels, p0 + CLAIM));
+      });
     };
     if (dot) {
 #if defined(__AVX512BF16__)
-      const DotKernel kn{stage_h.data(), lds,
-                         reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, yp,
-                         n, n, e};
+      const DotKernel kn{stage_h.data(), lds, static_cast<const uint16_t*>(wp), K, yp, n, n, e};
       each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
 #endif
     } else if (packed.scalar_type() == torch::kFloat) {
       const FmaKernel<float> kn{staged ? stage_f.data() : xp, staged ? lds : ldx,
-                                packed.data_ptr<float>(), K, yp, n, n, e};
+                                static_cast<const float*>(wp), K, yp, n, n, e};
       each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
     } else {
-      const FmaKernel<uint16_t> kn{
-          staged ? stage_f.data() : xp, staged ? lds : ldx,
-          reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, yp, n, n, e};
+      const FmaKernel<uint16_t> kn{staged ? stage_f.data() : xp, staged ? lds : ldx,
+                                   static_cast<const uint16_t*>(wp), K, yp, n, n, e};
       each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
     }
   }
+  errors.rethrow();
   return y;
 }
 

@@ -16,6 +16,9 @@
 // threads (a lone request) cuts long units into parts of their blocks computed apart; each
 // block's float32 sums are kept and added in double in block order at the end, the same
 // additions a whole unit makes as it goes.
+// Every argument (the pool, the plan's page ids, lengths, positions and order, the slots) is
+// checked on the calling thread before the parallel region, so its threads index only what was
+// checked; a bad call is a RuntimeError (see ../../csrc/guard.h).
 // Built per machine with -march=native and -ffp-contract=off (contractions are explicit).
 
 #include <torch/extension.h>
@@ -32,6 +35,8 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
+
+#include "../../csrc/guard.h"
 
 namespace {
 
@@ -777,73 +782,163 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
   // whatever torch's own thread setting (a decode step's attention is worth both cores).
   const int nt = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(threads, std::max(claims, tokens))));
+  // Every piece of work runs inside errors.run (no exception leaves the region) and every
+  // thread still reaches every barrier; the first exception is rethrown after the region.
+  radixkv::RegionErrors errors;
 #pragma omp parallel num_threads(nt)
   {
     if constexpr (Prepare::kActive) {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < tokens; ++t) prepare(t);
+      for (int64_t t = 0; t < tokens; ++t) errors.run([&] { prepare(t); });
     }  // implicit barrier: every token's K and V is in the pool before any is read
     Scratch scratch;
     if (!split) {
-      for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1))
-        attend_unit(a, shapes[w], scratch);
+      errors.run([&] {
+        for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1))
+          attend_unit(a, shapes[w], scratch);
+      });
     } else {
       std::vector<int64_t> mine;  // a thread's parts: their scores are still in its caches
-      for (int64_t w = next.fetch_add(1); w < claims; w = next.fetch_add(1)) {
-        const Parts::Task& t = parts.tasks[w];
-        attend_unit<scalar_t, Phase::SCORES>(a, shapes[t.unit], scratch, &parts.shared[t.unit],
-                                             t.part, t.b_lo, t.b_hi);
-        mine.push_back(w);
-      }
+      errors.run([&] {
+        for (int64_t w = next.fetch_add(1); w < claims; w = next.fetch_add(1)) {
+          const Parts::Task& t = parts.tasks[w];
+          attend_unit<scalar_t, Phase::SCORES>(a, shapes[t.unit], scratch,
+                                               &parts.shared[t.unit], t.part, t.b_lo, t.b_hi);
+          mine.push_back(w);
+        }
+      });
 #pragma omp barrier
-      for (const int64_t w : mine) {
-        const Parts::Task& t = parts.tasks[w];
-        attend_unit<scalar_t, Phase::VALUES>(a, shapes[t.unit], scratch, &parts.shared[t.unit],
-                                             t.part, t.b_lo, t.b_hi);
-      }
+      errors.run([&] {
+        for (const int64_t w : mine) {
+          const Parts::Task& t = parts.tasks[w];
+          attend_unit<scalar_t, Phase::VALUES>(a, shapes[t.unit], scratch,
+                                               &parts.shared[t.unit], t.part, t.b_lo, t.b_hi);
+        }
+      });
 #pragma omp barrier
       std::vector<double> total;
       const std::vector<int64_t>& starts = parts.row_start;
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < starts.back(); ++r) {
-        const int64_t i = std::upper_bound(starts.begin(), starts.end(), r) - starts.begin() - 1;
-        finish_row(a, shapes[i], parts.shared[i], r - starts[i], total);
+        errors.run([&] {
+          const int64_t i =
+              std::upper_bound(starts.begin(), starts.end(), r) - starts.begin() - 1;
+          finish_row(a, shapes[i], parts.shared[i], r - starts[i], total);
+        });
       }
     }
   }
+  errors.rethrow();
 }
 
-// Checks the pool and the plan's index tensors, then calls ``go(args)`` with the kernel's
-// arguments in the pool's dtype (float32 or bfloat16).
+// The pool's shape, once its tensors are checked.
+struct PoolShape {
+  int64_t pages, page_size, hkv, dim;
+};
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  ARG_CHECK(t.device().is_cpu(), name, ": must be a CPU tensor, got one on ", t.device());
+}
+
+// The K/V pool, the GQA group and the thread count of a call.
+PoolShape check_pool(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t group,
+                     int64_t threads) {
+  check_cpu(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache");
+  ARG_CHECK(k_cache.dim() == 4, "k_cache: [pages, page_size, Hkv, D], got ", k_cache.dim(),
+            " dims");
+  ARG_CHECK(k_cache.scalar_type() == torch::kFloat || k_cache.scalar_type() == torch::kBFloat16,
+            "k_cache: float32 or bfloat16, got ", k_cache.scalar_type());
+  ARG_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+            "v_cache: the shape and dtype of k_cache");
+  ARG_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache, v_cache: contiguous");
+  ARG_CHECK(k_cache.numel() > 0, "k_cache: an empty pool");
+  const PoolShape pool{k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3)};
+  ARG_CHECK(pool.dim % DIM_MULTIPLE == 0, "head_dim: a multiple of 32, got ", pool.dim);
+  ARG_CHECK(group >= 1 && group <= 65536, "group: 1 to 65536 query heads per KV head, got ",
+            group);
+  ARG_CHECK(threads >= 1 && threads <= radixkv::kMaxThreads, "threads: 1 to ",
+            radixkv::kMaxThreads, ", got ", threads);
+  return pool;
+}
+
+const int32_t* index_data(const torch::Tensor& t, const char* name, int64_t dims) {
+  check_cpu(t, name);
+  ARG_CHECK(t.scalar_type() == torch::kInt, name, ": int32, got ", t.scalar_type());
+  ARG_CHECK(t.dim() == dims, name, ": ", dims, " dims, got ", t.dim());
+  ARG_CHECK(t.is_contiguous(), name, ": contiguous");
+  return t.data_ptr<int32_t>();
+}
+
+// The plan of a call over ``tokens`` query tokens: every page id a request's table uses is in
+// the pool, every token belongs to a request and attends a position its pages hold, ``order``
+// lists each token once, and ``item_ptr`` cuts it into items from 0 to ``tokens``.
+void check_plan(const PoolShape& pool, const torch::Tensor& tables,
+                const torch::Tensor& table_lens, const torch::Tensor& q_seq,
+                const torch::Tensor& q_pos, const torch::Tensor& order,
+                const torch::Tensor& item_ptr, int64_t tokens) {
+  const int32_t* tab = index_data(tables, "tables", 2);
+  const int32_t* lens = index_data(table_lens, "table_lens", 1);
+  const int32_t* seq = index_data(q_seq, "q_seq", 1);
+  const int32_t* pos = index_data(q_pos, "q_pos", 1);
+  const int32_t* ord = index_data(order, "order", 1);
+  const int32_t* ptr = index_data(item_ptr, "item_ptr", 1);
+  const int64_t requests = tables.size(0), width = tables.size(1);
+  ARG_CHECK(table_lens.numel() == requests, "table_lens: one per table (", requests, "), got ",
+            table_lens.numel());
+  for (const auto& [t, name] : {std::pair{&q_seq, "q_seq"}, {&q_pos, "q_pos"}, {&order, "order"}})
+    ARG_CHECK(t->numel() == tokens, name, ": one per query token (", tokens, "), got ",
+              t->numel());
+  ARG_CHECK(item_ptr.numel() >= 1, "item_ptr: at least [0]");
+  for (int64_t s = 0; s < requests; ++s) {
+    ARG_CHECK(lens[s] >= 0 && lens[s] <= width, "table_lens: ", lens[s], " pages for request ",
+              s, ", outside 0..", width);
+    for (int64_t p = 0; p < lens[s]; ++p) {
+      const int32_t page = tab[s * width + p];
+      ARG_CHECK(page >= 0 && page < pool.pages, "tables: page ", page, " of request ", s,
+                " outside the pool's ", pool.pages, " pages");
+    }
+  }
+  std::vector<char> seen(tokens, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    ARG_CHECK(seq[t] >= 0 && seq[t] < requests, "q_seq: request ", seq[t], " of token ", t,
+              " outside 0..", requests - 1);
+    const int64_t held = static_cast<int64_t>(lens[seq[t]]) * pool.page_size;
+    ARG_CHECK(pos[t] >= 0 && pos[t] < held, "q_pos: position ", pos[t], " of token ", t,
+              " outside the ", held, " its request's pages hold");
+    ARG_CHECK(ord[t] >= 0 && ord[t] < tokens && !seen[ord[t]],
+              "order: not each token once (", ord[t], " at ", t, ")");
+    seen[ord[t]] = 1;
+  }
+  const int64_t items = item_ptr.numel() - 1;
+  ARG_CHECK(ptr[0] == 0 && ptr[items] == tokens, "item_ptr: from 0 to the tokens (", tokens,
+            "), got ", ptr[0], " to ", ptr[items]);
+  for (int64_t i = 0; i < items; ++i)
+    ARG_CHECK(ptr[i] <= ptr[i + 1], "item_ptr: decreases at item ", i);
+}
+
+// Calls ``go(args, k, v)`` with the kernel's arguments in the pool's dtype (float32 or
+// bfloat16); every tensor was checked.
 template <typename Go>
-void with_args(const torch::Tensor& q, const torch::Tensor& out, const torch::Tensor& k_cache,
-               const torch::Tensor& v_cache, const torch::Tensor& tables,
-               const torch::Tensor& table_lens, const torch::Tensor& q_seq,
-               const torch::Tensor& q_pos, const torch::Tensor& order,
+void with_args(const PoolShape& pool, const torch::Tensor& q, const torch::Tensor& out,
+               const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+               const torch::Tensor& tables, const torch::Tensor& table_lens,
+               const torch::Tensor& q_seq, const torch::Tensor& q_pos, const torch::Tensor& order,
                const torch::Tensor& item_ptr, int64_t group, double scale, Go go) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache, v_cache: contiguous [pages, page_size, Hkv, D] of one dtype");
-  TORCH_CHECK(k_cache.size(3) % DIM_MULTIPLE == 0, "head_dim: must be a multiple of 32");
-  for (const auto& t : {tables, table_lens, q_seq, q_pos, order, item_ptr})
-    TORCH_CHECK(t.scalar_type() == torch::kInt && t.is_contiguous(), "index tensors: int32");
   auto call = [&](auto* k, auto* v) {
     using scalar_t = std::remove_pointer_t<decltype(k)>;
     const Args<scalar_t> a{q.data_ptr<float>(), k, v, out.data_ptr<float>(),
                            tables.data_ptr<int32_t>(), tables.size(1),
                            table_lens.data_ptr<int32_t>(), q_seq.data_ptr<int32_t>(),
                            q_pos.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
-                           item_ptr.data_ptr<int32_t>(), k_cache.size(2), group,
-                           k_cache.size(3), k_cache.size(1), static_cast<float>(scale)};
+                           item_ptr.data_ptr<int32_t>(), pool.hkv, group, pool.dim,
+                           pool.page_size, static_cast<float>(scale)};
     go(a, k, v);
   };
   if (k_cache.scalar_type() == torch::kFloat) {
     call(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  } else if (k_cache.scalar_type() == torch::kBFloat16) {
-    call(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   } else {
-    TORCH_CHECK(false, "k_cache: float32 or bfloat16");
+    call(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   }
 }
 
@@ -852,14 +947,18 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor q_seq, torch::Tensor q_pos, torch::Tensor order,
                               torch::Tensor item_ptr, int64_t group, double scale,
                               int64_t threads) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
-              "q: float32 [T, Hq, D], contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && q.size(1) == k_cache.size(2) * group &&
-                  q.size(2) == k_cache.size(3),
-              "q: heads or head_dim mismatch");
+  const PoolShape pool = check_pool(k_cache, v_cache, group, threads);
+  check_cpu(q, "q");
+  ARG_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
+            "q: float32 [T, Hq, D], contiguous");
+  ARG_CHECK(q.size(1) == pool.hkv * group && q.size(2) == pool.dim,
+            "q: heads or head_dim mismatch (", q.size(1), " x ", q.size(2), " for ",
+            pool.hkv * group, " x ", pool.dim, ")");
+  check_plan(pool, tables, table_lens, q_seq, q_pos, order, item_ptr, q.size(0));
   auto out = torch::empty_like(q);
-  with_args(q, out, k_cache, v_cache, tables, table_lens, q_seq, q_pos, order, item_ptr, group,
-            scale, [&](const auto& a, auto*, auto*) {
+  if (q.size(0) == 0) return out;
+  with_args(pool, q, out, k_cache, v_cache, tables, table_lens, q_seq, q_pos, order, item_ptr,
+            group, scale, [&](const auto& a, auto*, auto*) {
               run(a, item_ptr.numel() - 1, static_cast<int>(threads));
             });
   return out;
@@ -921,27 +1020,34 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 torch::Tensor q_seq, torch::Tensor q_pos, torch::Tensor order,
                                 torch::Tensor item_ptr, int64_t group, double scale,
                                 int64_t threads) {
-  TORCH_CHECK(k_cache.dim() == 4, "k_cache: [pages, page_size, Hkv, D]");  // the rest: with_args
-  const int64_t hkv = k_cache.size(2), dim = k_cache.size(3), hq = hkv * group;
-  const int64_t T = qkv.size(0), capacity = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.stride(1) == 1 &&
-                  qkv.size(1) == (hq + 2 * hkv) * dim,
-              "qkv: float32 [T, (Hq + 2 Hkv) * D] with unit column stride");
-  TORCH_CHECK(dim % DIM_MULTIPLE == 0 && dim <= kMaxDim, "head_dim: a multiple of 32, at most ",
-              kMaxDim);
-  for (const auto& t : {cos, sin})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == T * dim / 2,
-                "cos, sin: contiguous float32, T * D/2 values ([T, D/2] or [T, 1, D/2])");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T,
-              "slots: int64 [T]");
+  const PoolShape pool = check_pool(k_cache, v_cache, group, threads);
+  const int64_t hkv = pool.hkv, dim = pool.dim, hq = hkv * group;
+  const int64_t capacity = pool.pages * pool.page_size;
+  check_cpu(qkv, "qkv");
+  ARG_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat &&
+                (qkv.stride(1) == 1 || qkv.size(1) <= 1) && qkv.size(1) == (hq + 2 * hkv) * dim,
+            "qkv: float32 [T, (Hq + 2 Hkv) * D] with unit column stride");
+  ARG_CHECK(dim <= kMaxDim, "head_dim: at most ", kMaxDim, " in the fused call, got ", dim);
+  const int64_t T = qkv.size(0);
+  for (const auto& [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}}) {
+    check_cpu(*t, name);
+    ARG_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() &&
+                  t->numel() == T * dim / 2,
+              name, ": contiguous float32, T * D/2 values ([T, D/2] or [T, 1, D/2])");
+  }
+  check_cpu(slots, "slots");
+  ARG_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T,
+            "slots: int64 [T], contiguous");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slots: ", sp[t], " outside the pool's ",
-                capacity);
+    ARG_CHECK(sp[t] >= 0 && sp[t] < capacity, "slots: ", sp[t], " outside the pool's ",
+              capacity);
+  check_plan(pool, tables, table_lens, q_seq, q_pos, order, item_ptr, T);
   auto q = torch::empty({T, hq, dim}, qkv.options());
   auto out = torch::empty_like(q);
-  with_args(q, out, k_cache, v_cache, tables, table_lens, q_seq, q_pos, order, item_ptr, group,
-            scale, [&](const auto& a, auto* k, auto* v) {
+  if (T == 0) return out;
+  with_args(pool, q, out, k_cache, v_cache, tables, table_lens, q_seq, q_pos, order, item_ptr,
+            group, scale, [&](const auto& a, auto* k, auto* v) {
               using scalar_t = std::remove_pointer_t<decltype(k)>;
               const RopeWrite<scalar_t> prepare{qkv.data_ptr<float>(), qkv.stride(0),
                                                 cos.data_ptr<float>(), sin.data_ptr<float>(),

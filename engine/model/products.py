@@ -4,7 +4,8 @@ A vendor BLAS picks kernels, blocking and packing by the machine, the row count 
 split, so a token's activations could depend on what else shares its pass (seen: oneDNN's
 AVX-512 bf16 path on a Zen 4 EPYC, at shapes a probe of plain products never hit). Our kernel
 sums every output element in one fixed order whatever the shape of the call (see the source's
-header), so a row's result depends on that row and the weights alone. Weights are packed once
+header), so a row's result depends on that row and the weights alone. A build is used only
+where its self-test shows a bad argument surfacing as a RuntimeError. Weights are packed once
 into the layout the kernel streams (``PackedWeight``); RMSNorm, SiLU * up, the bias and the
 residual add are fused around the product, so a decoder layer is a few native calls.
 """
@@ -17,10 +18,11 @@ from types import ModuleType
 
 import torch
 
-from engine.model.native_build import load_native
+from engine.model.native_build import expect_rejection, load_native
 
 SOURCE = Path(__file__).parent / "csrc" / "dense.cpp"
 DISABLE_ENV = "RADIXKV_NATIVE_PRODUCTS"  # "0" keeps torch's matrix products
+SELF_TEST = "engine.model.products:rejects_a_weight_that_does_not_fit"
 
 # Prologues the kernel applies to each input row before the product.
 NONE, RMSNORM, SILU_MUL = 0, 1, 2
@@ -30,7 +32,21 @@ def load_products() -> ModuleType | None:
     """The compiled products (built on first use), or None where they cannot be built here."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    return load_native(SOURCE, "radixkv_dense", "using torch's matrix products")
+    return load_native(
+        SOURCE, "radixkv_dense", "using torch's matrix products", selftest=SELF_TEST
+    )
+
+
+def rejects_a_weight_that_does_not_fit(kernel: ModuleType) -> str | None:
+    """The build's self-test (``native_build.self_test``): an input wider than the packed
+    weight, on as many threads as the machine has cores, must raise RuntimeError. None where
+    it did, else what happened."""
+    packed = kernel.pack(torch.zeros(32, 32))
+    threads = max(2, min(os.cpu_count() or 1, 64))
+    return expect_rejection(
+        lambda: kernel.dense(torch.zeros(1, 33), packed, 32, NONE, None, 0.0, None, None, threads),
+        "features",
+    )
 
 
 class PackedWeight:

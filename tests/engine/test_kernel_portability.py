@@ -17,6 +17,7 @@ from engine.model import native_build
 from engine.model.attention import native
 from engine.model.machine import cpu_flags
 from engine.model.products import NONE, RMSNORM, SILU_MUL, PackedWeight
+from engine.model.products import SELF_TEST as PRODUCTS_SELF_TEST
 from engine.model.products import SOURCE as PRODUCTS
 
 FLAGS = cpu_flags()  # empty where /proc/cpuinfo has none
@@ -33,9 +34,14 @@ def _build(source_kind: str, march: str) -> ModuleType:
     if not TARGETS[march] <= FLAGS:
         pytest.skip(f"this CPU cannot run {march} code")
     tag = march.replace("-", "_")  # a module name
-    source, prefix = (PRODUCTS, "radixkv_dense") if source_kind == "products" else (
-        native.SOURCE, "radixkv_exact")
-    module = native_build.load_native(source, f"{prefix}_{tag}", "nothing to compare", march)
+    source, prefix, selftest = (
+        (PRODUCTS, "radixkv_dense", PRODUCTS_SELF_TEST)
+        if source_kind == "products"
+        else (native.SOURCE, "radixkv_exact", native.SELF_TEST)
+    )
+    module = native_build.load_native(
+        source, f"{prefix}_{tag}", "nothing to compare", march, selftest=selftest
+    )
     assert module is not None, f"the {source_kind} kernel did not build for {march}"
     return module
 

@@ -5,7 +5,8 @@ and fixed 64-key blocks of BLAS products, at the price of many small ops per lay
 kernel gets it by construction: each query row is computed by one fixed sequence of
 instructions over its own keys, whatever shares the call (see the source's header). It is
 compiled on first use for this machine (``engine.model.native_build``); when it cannot be
-built the engine keeps the torch version and says so once.
+built, or fails its self-test (a bad slot or page id must be a RuntimeError here), the engine
+keeps the torch version and says so once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from engine.model.native_build import load_native
+from engine.model.native_build import expect_rejection, load_native
 
 SOURCE = Path(__file__).parent / "csrc" / "exact_attention.cpp"
 # Prefill queries of one request are attended in items of this many tokens; decode queries
@@ -26,13 +27,38 @@ PREFILL_ITEM_TOKENS = 32
 DECODE_ITEM_TOKENS = 8
 HEAD_DIM_MULTIPLE = 32  # the kernel's register tiles
 DISABLE_ENV = "RADIXKV_NATIVE_ATTENTION"  # "0" keeps the torch version
+SELF_TEST = "engine.model.attention.native:rejects_bad_slots_and_pages"
 
 
 def load_kernel() -> ModuleType | None:
     """The compiled module (built on first use), or None where it cannot be built here."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    return load_native(SOURCE, "radixkv_exact", "using the torch version of exact attention")
+    return load_native(
+        SOURCE, "radixkv_exact", "using the torch version of exact attention", selftest=SELF_TEST
+    )
+
+
+def rejects_bad_slots_and_pages(kernel: ModuleType) -> str | None:
+    """The build's self-test (``native_build.self_test``): a slot past the pool (the call that
+    killed the process on one Xeon, issue 47) and a page id past it, on as many threads as
+    the machine has cores, must each raise RuntimeError. None where they did, else what
+    happened."""
+    cpu = torch.device("cpu")
+    pool = torch.zeros(1, 16, 1, HEAD_DIM_MULTIPLE)
+    qkv = torch.zeros(1, 3 * HEAD_DIM_MULTIPLE)
+    half = torch.zeros(1, HEAD_DIM_MULTIPLE // 2)
+    good, bad = plan_native([1], [1], [[0]], cpu), plan_native([1], [1], [[1]], cpu)
+    threads = max(2, min(os.cpu_count() or 1, 64))
+    return expect_rejection(
+        lambda: rope_write_attend(
+            kernel, qkv, half, half, torch.tensor([16]), pool, pool.clone(), good, 1, 1.0, threads
+        ),
+        "slots",
+    ) or expect_rejection(
+        lambda: attend(kernel, qkv[:, :32].view(1, 1, 32), pool, pool, bad, 1, 1.0, threads),
+        "tables",
+    )
 
 
 @dataclass

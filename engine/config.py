@@ -34,8 +34,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     page files in ``kv_disk_dir`` (within ``kv_disk_bytes``: default half the free space, at
     most 16 GiB). On the CPU, prefill-sized passes run on ``threads`` threads (None: every
     core) and decode steps on one. ``batch_invariant`` (the CPU's default) makes greedy answers
-    independent of the batch, the cache and the page size. ``dtype=None`` picks the faster of
-    float32 and bfloat16 as measured on this CPU.
+    independent of the batch, the cache and the page size (on CUDA: FlashInfer's
+    deterministic plan, verified on the device at start). ``cuda_graphs``: decode steps replay
+    CUDA graphs (CUDA with FlashInfer only; nothing changes on the CPU). ``dtype=None`` picks
+    the faster of float32 and bfloat16 as measured on this CPU.
     """
 
     model: str | None = None
@@ -46,6 +48,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     backend: str = "auto"
     threads: int | None = None
     batch_invariant: bool = True
+    cuda_graphs: bool = True
     kv_host_bytes: int | None = None
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
@@ -66,8 +69,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"backend: unknown {self.backend!r}; available: auto, {', '.join(BACKENDS)}"
             )
         _optional_int("threads", self.threads, 1)
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant: must be a bool, got {self.batch_invariant!r}")
+        for flag in ("batch_invariant", "cuda_graphs"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(
                 f"scheduler: expected a SchedulerConfig, got {type(self.scheduler).__name__}"
@@ -239,6 +243,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=int, metavar="N", help="CPU threads for prefill (default: all cores)")
     add("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None,
         help="faster kernels whose greedy answers may depend on the batch and the cache")
+    add("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+        help="run decode steps eagerly on CUDA (default: replayed from CUDA graphs)")
     add("--kv-host-bytes", type=byte_size, metavar="SIZE",
         help="host-memory tier under the KV pool, e.g. 2G (default: off)")
     add("--kv-disk-dir", metavar="DIR",

@@ -63,7 +63,17 @@ def build_pool(loaded: LoadedModel, config: EngineConfig) -> KVPool:
         )
     return KVPool(
         cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-        loaded.dtype, loaded.device,
+        loaded.dtype, loaded.device, scratch_pages=1 if uses_graphs(loaded, config) else 0,
+    )
+
+
+def uses_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
+    """Decode graphs: asked for, on CUDA, with FlashInfer (the only backend with graph-mode
+    wrappers)."""
+    return (
+        config.cuda_graphs
+        and loaded.device.type == "cuda"
+        and resolve_backend(config.backend, loaded.device) == "flashinfer"
     )
 
 
@@ -77,8 +87,10 @@ def build_runner(
         pool,
         backend=resolve_backend(config.backend, loaded.device),
         threads=ThreadPolicy.default(config.threads),
-        batch_invariant=config.batch_invariant and loaded.device.type == "cpu",
+        batch_invariant=config.batch_invariant,
         grammars=grammars,
+        cuda_graphs=uses_graphs(loaded, config),
+        max_batch=config.scheduler.max_running,
     )
 
 
@@ -92,11 +104,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "torch"
 
 
-def verified_invariant(loaded: LoadedModel, asked: bool) -> bool:
-    """Whether the dtype probe verified this machine's forward in the model's dtype as
-    batch-invariant (``engine.model.probe``); warns when it was asked for and not verified."""
-    if not asked or loaded.device.type != "cpu":
+def verified_invariant(loaded: LoadedModel, asked: bool, runner: ModelRunner) -> bool:
+    """Whether this machine's forward is verified batch-invariant: on the CPU by the dtype
+    probe (``engine.model.probe``), on CUDA by checking ``runner`` itself at start
+    (``engine.model.cuda.device_check``); warns when it was asked for and not verified."""
+    if not asked:
         return False
+    # The probe covers the CPU's own kernels; FlashInfer's path (its reference on the CPU) is
+    # checked on the runner itself.
+    if loaded.device.type != "cpu" or runner.backend.name == "flashinfer":
+        from engine.model.cuda.device_check import verify_on_device
+
+        return verify_on_device(runner)
     name = str(loaded.dtype).removeprefix("torch.")
     report = probe().reports.get(name)
     if report is not None and report.usable:

@@ -40,9 +40,13 @@ class InvarianceReport:
         return {"invariant": self.invariant, "failed": list(self.failed), "error": self.max_error}
 
 
-def _last_logits(runner: ModelRunner, pieces: list[list[list[int]]]) -> torch.Tensor:
+def last_logits(
+    runner: ModelRunner, pieces: list[list[list[int]]], sample_all: bool = False
+) -> torch.Tensor:
     """Feed each request's chunks, chunk i of every request in pass i; request 0's last
-    token's logits (request 0 is the prompt, the rest only share its passes)."""
+    token's logits (request 0 is the prompt, the rest only share its passes). With
+    ``sample_all`` every chunk's last token is sampled (decode passes as the engine runs
+    them: what a decode graph takes), else only each request's last chunk's."""
     ps = runner.pool.page_size
     per = runner.pool.num_pages // len(pieces)
     tables = [list(range(r * per, (r + 1) * per)) for r in range(len(pieces))]
@@ -53,7 +57,7 @@ def _last_logits(runner: ModelRunner, pieces: list[list[list[int]]]) -> torch.Te
         for r, chunks in enumerate(pieces):
             if step < len(chunks):
                 req = Request(f"r{r}", chunks[step], SamplingParams(max_new_tokens=1))
-                last = step == len(chunks) - 1
+                last = sample_all or step == len(chunks) - 1
                 entries.append(BatchEntry.on_pages(req, chunks[step], done[r], tables[r], ps, last))
                 done[r] += len(chunks[step])
         logits = runner.forward(Batch(entries, ps))
@@ -84,21 +88,21 @@ def check(loaded: LoadedModel, reference: torch.Tensor | None = None) -> Invaria
     cores = os.cpu_count() or 1
     before = torch.get_num_threads()
     try:
-        whole = _last_logits(runner_for(loaded, 16, 1), [[ids]])
+        whole = last_logits(runner_for(loaded, 16, 1), [[ids]])
         cases: dict[str, torch.Tensor] = {}
         for threads in sorted({1, cores}):
             r16 = runner_for(loaded, 16, threads)
-            cases[f"whole, {threads} threads"] = _last_logits(r16, [[ids]])
-            cases[f"chunked, {threads} threads"] = _last_logits(r16, [chunked])
+            cases[f"whole, {threads} threads"] = last_logits(r16, [[ids]])
+            cases[f"chunked, {threads} threads"] = last_logits(r16, [chunked])
             # the prompt's passes shared with a longer prefill and a prefill then decodes
-            cases[f"batched, {threads} threads"] = _last_logits(
+            cases[f"batched, {threads} threads"] = last_logits(
                 r16, [chunked, [a[:20], a[20:]], [b, [7], [8], [9]]]
             )
-            cases[f"batched whole, {threads} threads"] = _last_logits(
+            cases[f"batched whole, {threads} threads"] = last_logits(
                 r16, [[ids], [a], [b[:1]]]
             )
             r1 = runner_for(loaded, 1, threads)
-            cases[f"page size 1, {threads} threads"] = _last_logits(r1, [[ids[:30], ids[30:]]])
+            cases[f"page size 1, {threads} threads"] = last_logits(r1, [[ids[:30], ids[30:]]])
     finally:
         torch.set_num_threads(before)
     failed = tuple(name for name, got in cases.items() if not torch.equal(got, whole))
@@ -110,7 +114,7 @@ def check(loaded: LoadedModel, reference: torch.Tensor | None = None) -> Invaria
 
 def reference_logits(loaded_fp32: LoadedModel) -> torch.Tensor:
     """The float32 model's logits for PROMPT's last token, in one pass."""
-    return _last_logits(runner_for(loaded_fp32, 16, 1), [[PROMPT]])
+    return last_logits(runner_for(loaded_fp32, 16, 1), [[PROMPT]])
 
 
 def within_tolerance(report: InvarianceReport, dtype: torch.dtype) -> bool:

@@ -12,6 +12,8 @@ class KVPool:
 
     Page ids are those of the radix ``PageAllocator`` built with the same ``num_pages``: the
     pool never allocates, it only stores. A token's slot is ``page * page_size + offset``.
+    ``scratch_pages`` more pages follow them, ids ``num_pages`` and up, never handed out: a
+    decode graph's padding rows write their K/V there (``scratch_page``).
     """
 
     def __init__(
@@ -23,7 +25,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        scratch_pages: int = 0,
     ) -> None:
+        if scratch_pages < 0:
+            raise ValueError(f"scratch_pages: must be >= 0, got {scratch_pages}")
         for name, value in (
             ("num_layers", num_layers),
             ("num_pages", num_pages),
@@ -35,18 +40,24 @@ class KVPool:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         self.num_layers = num_layers
         self.num_pages = num_pages
+        self.scratch_pages = scratch_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_pages + scratch_pages, page_size, num_kv_heads, head_dim)
         self.k_cache = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
         self.v_cache = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
+
+    @property
+    def scratch_page(self) -> int | None:
+        """The first page id no request owns (None without scratch pages)."""
+        return self.num_pages if self.scratch_pages else None
 
     @staticmethod
     def bytes_per_page(

@@ -222,6 +222,17 @@ class LlamaModel(nn.Module):
         """fp32 logits ``[len(logits_indices), vocab]``; K/V of all tokens lands in ``pool``.
         ``threads``: how many threads our products split their columns over."""
         backend.plan(forward_batch)
+        return self.forward_planned(forward_batch, pool, backend, threads)
+
+    def forward_planned(
+        self,
+        forward_batch: ForwardBatch,
+        pool: KVPool,
+        backend: AttentionBackend,
+        threads: int = 1,
+    ) -> torch.Tensor:
+        """``forward`` after ``backend.plan(forward_batch)``: only tensor work, which is what
+        a decode graph captures (its plan runs on the host before each replay)."""
         x = self.embed_tokens(forward_batch.input_ids)
         if self.products is not None:
             x = x.float()

@@ -9,7 +9,11 @@ from typing import Any
 import torch
 
 from engine.model.attention import create_backend
-from engine.model.forward_batch import ForwardBatch
+from engine.model.attention.base import AttentionBackend
+from engine.model.cuda.flashinfer_backend import FlashInferBackend
+from engine.model.cuda.graphs import DecodeGraphs
+from engine.model.cuda.step_buffers import StepBuffers
+from engine.model.forward_batch import ForwardBatch, StepIndex
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
 from engine.model.products import load_products
@@ -60,6 +64,8 @@ class ModelRunner:
         batch_invariant: bool = False,
         debug_checks: bool | None = None,
         grammars: Grammars | None = None,
+        cuda_graphs: bool = False,
+        max_batch: int = 64,
     ) -> None:
         cfg = loaded.config
         if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
@@ -86,10 +92,16 @@ class ModelRunner:
         self.backend = create_backend(
             backend, cfg, loaded.device, batch_invariant, self.product_threads, loaded.dtype
         )
-        # Invariant only where both products and attention are ours (the probe verifies it).
-        self.batch_invariant = (
-            batch_invariant and loaded.model.products is not None and self.backend.exact
-        )
+        # On the CPU invariant only where both products and attention are ours (the probe
+        # verifies it); on CUDA where the attention plan is deterministic (cuBLAS rows do not
+        # depend on the row count there: the device check verifies the whole forward).
+        products_invariant = loaded.model.products is not None or loaded.device.type == "cuda"
+        self.batch_invariant = batch_invariant and products_invariant and self.backend.exact
+        # On CUDA a pass's integers go to the device in one packed copy.
+        self.buffers = StepBuffers(loaded.device) if loaded.device.type == "cuda" else None
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = self._decode_graphs(max_batch)
         self.sampler = Sampler(seed)
         # Structured outputs: masks each constrained row before sampling (None: not built).
         self.grammars = grammars
@@ -97,14 +109,37 @@ class ModelRunner:
             debug_checks = os.environ.get("RADIXKV_DEBUG_CHECKS", "0") not in ("", "0")
         self.debug_checks = debug_checks
 
+    def _decode_graphs(self, max_batch: int) -> DecodeGraphs:
+        """Decode graphs over FlashInfer wrappers twinned from the runner's backend (on the
+        CPU: the same buffers and plans, uncaptured)."""
+        backend = self.backend
+        if not isinstance(backend, FlashInferBackend):
+            raise ValueError(f"cuda_graphs: needs the flashinfer backend, not {backend.name!r}")
+        cfg = self.loaded.config
+        context = min(int(cfg.max_position_embeddings), self.pool.num_pages * self.pool.page_size)
+        model = self.loaded.model
+        threads = self.product_threads
+
+        def forward(fb: ForwardBatch, attention: AttentionBackend) -> torch.Tensor:
+            return model.forward_planned(fb, self.pool, attention, threads)
+
+        return DecodeGraphs(
+            self.pool, backend.graph_twin, forward, max_batch,
+            -(-context // self.pool.page_size), capture=self.loaded.device.type == "cuda",
+        )
+
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        """fp32 logits ``[entries with sample=True, vocab]``; writes every token's K/V."""
-        fb = ForwardBatch.from_batch(batch, self.loaded.device)
-        if self.threads is not None:
-            self.threads.apply(fb.num_tokens)
+        """fp32 logits ``[entries with sample=True, vocab]``; writes every token's K/V.
+        Decode passes run in the decode graphs where there are some."""
+        index = StepIndex.of(batch)
         if self.debug_checks:
-            self._check(batch, fb)
+            self._check(batch, ForwardBatch.from_index(index))
+        if self.threads is not None:
+            self.threads.apply(len(index.input_ids))
+        if self.graphs is not None and self.graphs.takes(index):
+            return self.graphs.run(index)
+        fb = ForwardBatch.from_index(index, self.loaded.device, self.buffers)
         return self.loaded.model(fb, self.pool, self.backend, self.product_threads)
 
     def _check(self, batch: Batch, fb: ForwardBatch) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import warnings
 import weakref
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from engine.serving.chat import ChatSession
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+
+
+log = logging.getLogger("radixkv.engine")
 
 
 class Engine:
@@ -81,9 +85,14 @@ class Engine:
         kv = KVManager(pool.num_pages, config.page_size, config.prefix_cache, tiers)
         runner = build_runner(loaded, pool, config, grammars)
         self._batch_invariant = runner.batch_invariant and verified_invariant(
-            loaded, config.batch_invariant
+            loaded, config.batch_invariant, runner
         )
         self._attention_kernel = runner.backend.kernel_name
+        log.info(
+            "engine on %s (%s): attention %s, cuda graphs %s, batch_invariant=%s",
+            loaded.device, str(loaded.dtype).removeprefix("torch."), self._attention_kernel,
+            "on" if runner.graphs is not None else "off", self._batch_invariant,
+        )
         self._num_pages = kv.num_pages
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._request_ids = itertools.count()
@@ -356,8 +365,9 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Monotone counters (requests, prompt/cached/computed/generated tokens, evicted pages,
-        preemptions), the hit rate derived from them, and the current page accounting."""
-        return self._loop.stats()
+        preemptions), the hit rate derived from them, the current page accounting, and whether
+        this engine's greedy answers are verified batch-invariant."""
+        return msgspec.structs.replace(self._loop.stats(), batch_invariant=self._batch_invariant)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Blocks until no request is queued or running (and the page accounting was checked);

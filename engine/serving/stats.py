@@ -30,6 +30,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     failed: int
     requests_running: int
     requests_waiting: int
+    # Greedy answers cannot depend on the batch or the cache: asked for and verified on this
+    # machine (the CPU's probe, the GPU's start-up check). Several engines: all of them.
+    batch_invariant: bool = False
 
     @property
     def hit_rate(self) -> float:
@@ -108,6 +111,8 @@ def _zero(cls: type) -> Any:
     for name, kind in _fields(cls).items():
         if _is_record(kind):
             values[name] = _zero(kind)
+        elif kind is bool:
+            values[name] = False
         elif kind is int:
             values[name] = 0
         elif kind is float:
@@ -125,6 +130,8 @@ def _sum(cls: type, parts: list[Any]) -> Any:
         column = [getattr(part, name) for part in parts]
         if _is_record(kind):
             values[name] = _sum(kind, column)
+        elif kind is bool:
+            values[name] = all(column)
         elif kind in (int, float):
             values[name] = sum(column)
         elif kind == tuple[int, ...]:  # counts by position: add position by position

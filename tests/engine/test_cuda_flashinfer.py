@@ -12,7 +12,7 @@ import pytest
 import torch
 from flashinfer_cases import HKV, HQ, D, build_pass, clone_pool, requests_for
 
-from engine.model.attention.flashinfer_backend import (
+from engine.model.cuda.flashinfer_backend import (
     FlashInferBackend,
     flashinfer_ops,
     reference_ops,
@@ -84,10 +84,12 @@ def prompts(vocab: int) -> list[list[int]]:
     return [a + ids(20), a + ids(35), a + ids(9), b + ids(40), b + ids(3), ids(77)]
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_greedy_answers_with_the_cache_equal_without_on_cuda(
-    cuda_model: Any, batch_invariant: bool
+    cuda_model: Any, cuda_graphs: bool
 ) -> None:
+    """The default engine on CUDA (deterministic plan, verified at start), decode in graphs
+    or eager: the cache, the batch and the chunking never change a greedy answer."""
     pytest.importorskip("flashinfer")
     from engine import Engine
     from scheduler import SamplingParams
@@ -95,12 +97,19 @@ def test_greedy_answers_with_the_cache_equal_without_on_cuda(
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     ps = prompts(cuda_model.config.vocab_size)
     answers = {}
-    for cache in (True, False):
+    for name, cache, chunk in (("cache", True, None), ("no cache", False, None),
+                               ("chunked", False, 64)):
+        extra = {"max_batch_tokens": chunk, "max_running": 8} if chunk else {}
         with Engine(
             model=cuda_model, backend="flashinfer", prefix_cache=cache,
-            batch_invariant=batch_invariant, num_pages=4096,
+            cuda_graphs=cuda_graphs, num_pages=4096, **extra,
         ) as engine:
+            assert engine.batch_invariant and engine.stats().batch_invariant
             engine.generate([ps[0]], params)  # warm the cache with one of the prefixes
             outs = engine.generate(ps, params)
-            answers[cache] = [o.token_ids for o in outs]
-    assert answers[True] == answers[False]
+            answers[name] = [o.token_ids for o in outs]
+            answers[f"{name}, alone"] = [engine.generate([p], params)[0].token_ids for p in ps]
+    first = answers["no cache, alone"]
+    assert all(got == first for got in answers.values()), {
+        k: sum(a == b for a, b in zip(v, first)) for k, v in answers.items()
+    }

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from engine.model.attention import create_backend, native
 from engine.model.attention.exact_backend import ExactAttentionBackend
-from engine.model.attention.flashinfer_backend import FlashInferBackend, reference_ops
-from engine.model.attention.flashinfer_plan import plan_flashinfer
-from engine.model.attention.flashinfer_reference import merge_state
+from engine.model.cuda.flashinfer_backend import FlashInferBackend, reference_ops
+from engine.model.cuda.flashinfer_plan import plan_flashinfer
+from engine.model.cuda.flashinfer_reference import merge_state
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 
@@ -132,7 +132,7 @@ def test_merge_state_of_two_key_sets_is_attention_over_both() -> None:
     q = torch.randn(5, 1, 8, generator=gen)
     k = torch.randn(12, 1, 8, generator=gen) * 2
     v = torch.randn(12, 1, 8, generator=gen)
-    from engine.model.attention.flashinfer_reference import _attend_one
+    from engine.model.cuda.flashinfer_reference import _attend_one
 
     a, sa = _attend_one(q, k[:7], v[:7], False, 0.5)
     b, sb = _attend_one(q, k[7:], v[7:], False, 0.5)
@@ -184,7 +184,7 @@ def test_engine_on_the_flashinfer_backend_answers_as_transformers(
     the cached system prompt as one shared call; greedy equals transformers' throughout."""
     from engine_helpers import assert_idle_accounting, greedy, under_long_system_prompt
 
-    from engine.model.attention import flashinfer_backend
+    from engine.model.cuda import flashinfer_backend
 
     shared_tokens: list[int] = []
     real = flashinfer_backend.plan_flashinfer

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from engine import KVPool, load_model
-from engine.model.attention.flashinfer_backend import FlashInferBackend, flashinfer_ops
+from engine.model.cuda.flashinfer_backend import FlashInferBackend, flashinfer_ops
 from engine.model.forward_batch import ForwardBatch
 from engine.model.runner import ModelRunner
 from scheduler import SamplingParams
@@ -117,7 +117,7 @@ def weight_bytes(loaded: Any) -> int:
     counted = [p for n, p in loaded.model.named_parameters()
                if p.dim() == 2 and "embed_tokens" not in n]
     total = sum(p.numel() * p.element_size() for p in counted)
-    head = loaded.model.lm_head.weight
+    head = loaded.model.lm_head.weight_t
     if not any(head is p for p in counted):  # tied to the embedding: not listed again
         total += head.numel() * head.element_size()
     return total
@@ -134,61 +134,93 @@ def shared_decode_batch(b: int, ctx: int, page_size: int) -> Batch:
     return Batch(entries, page_size)
 
 
+# How each decode row runs: (name, batch_invariant, cuda_graphs). The engine's default on CUDA
+# is the last: FlashInfer's deterministic plan, decode replayed from graphs.
+DECODE_MODES = (
+    ("eager, default plan", False, False),
+    ("eager, deterministic", True, False),
+    ("graphs, default plan", False, True),
+    ("graphs, deterministic", True, True),
+)
+
+
+def decode_runner(loaded: Any, pages: int, invariant: bool, graphs: bool, max_batch: int) -> Any:
+    cfg = loaded.config
+    pool = KVPool(cfg.num_layers, pages, 16, cfg.num_kv_heads, cfg.head_dim, loaded.dtype,
+                  "cuda", scratch_pages=1)
+    return ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=invariant,
+                       cuda_graphs=graphs, max_batch=max_batch)
+
+
 def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]:
-    """Decode steps (own pages; all on one shared prefix: the cascade's case) and prefill."""
+    """Decode steps (forward and sampling) eager and in graphs, own pages and all on one
+    shared prefix (the cascade's case: off, by the rule, forced), and prefill."""
     cfg = loaded.config
     weights = weight_bytes(loaded)
     ps = 16
     kv_token = KVPool.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
                                      loaded.dtype)
     rows: list[list[object]] = []
-    for shared in (False, True):
-        for b, ctx in ((1, 512), (8, 512), (32, 512), (64, 2048)):
+    shapes = ((1, 512), (8, 512), (32, 512), (64, 2048))
+    for name, invariant, graphs in DECODE_MODES:
+        for b, ctx in shapes:
             pages = b * -(-(ctx + 1) // ps) + 8
-            pool = KVPool(
-                cfg.num_layers, pages, ps, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, "cuda"
-            )
-            runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=False)
-            if shared:
-                batch = shared_decode_batch(b, ctx, ps)
-                kv = kv_token * (ctx + b * ps)
-            else:
-                batch = decode_batch([ctx] * b, ps)
-                kv = kv_token * b * ctx
-            step = cuda_time(partial(runner.forward, batch))
-            floor = (weights + kv) / bandwidth
-            name = "decode, one shared prefix" if shared else "decode, own pages"
-            rows.append([name, b, ctx, f"{step * 1e3:.2f}", f"{b / step:.0f}",
-                         f"{floor * 1e3:.3f}", f"{step / floor:.2f}x"])
-    head = loaded.model.lm_head.weight
+            runner = decode_runner(loaded, pages, invariant, graphs, max(b, 8))
+            batch = decode_batch([ctx] * b, ps)
+            step = cuda_time(partial(runner.step, batch))
+            floor = (weights + kv_token * b * ctx) / bandwidth
+            rows.append([f"decode, own pages, {name}", b, ctx, f"{step * 1e3:.2f}",
+                         f"{b / step:.0f}", f"{floor * 1e3:.3f}", f"{step / floor:.2f}x"])
+            del runner
+    for cascade in ("off", "rule", "forced"):
+        for b, ctx in ((8, 1024), (32, 1024), (64, 4096)):
+            pages = -(-(ctx + 1) // ps) + b + 8
+            runner = decode_runner(loaded, pages, False, False, b)
+            backend = runner.backend
+            if cascade == "off":
+                backend.cascade = False
+            elif cascade == "forced":
+                backend._pays = None
+            batch = shared_decode_batch(b, ctx, ps)
+            step = cuda_time(partial(runner.step, batch))
+            plan = backend._plan
+            used = "yes" if plan is not None and plan.shared is not None else "no"
+            floor = (weights + kv_token * (ctx + b * ps)) / bandwidth
+            rows.append([f"decode, one shared prefix, eager, cascade {cascade} ({used})", b, ctx,
+                         f"{step * 1e3:.2f}", f"{b / step:.0f}", f"{floor * 1e3:.3f}",
+                         f"{step / floor:.2f}x"])
+            del runner
+    head = loaded.model.lm_head.weight_t
     params = (weights - head.numel() * head.element_size()) / head.element_size()
     for n in (512, 2048, 8192):
         pool = KVPool(cfg.num_layers, -(-n // ps) + 8, ps, cfg.num_kv_heads, cfg.head_dim,
                       loaded.dtype, "cuda")
-        runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=False)
+        runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=True)
         req = Request(0, [7] * n, SamplingParams(max_new_tokens=1))
         batch = Batch([BatchEntry.on_pages(req, [7] * n, 0, list(range(-(-n // ps))), ps)], ps)
         seconds = cuda_time(partial(runner.forward, batch), repeats=5)
         flops = 2 * params * n + 2 * head.numel() + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
         floor = flops / peak
-        rows.append(["prefill", 1, n, f"{seconds * 1e3:.2f}", f"{n / seconds:.0f}",
+        rows.append(["prefill, deterministic", 1, n, f"{seconds * 1e3:.2f}", f"{n / seconds:.0f}",
                      f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}x"])
     return rows
 
 
-def shared_prefix_rows(loaded: Any) -> list[list[object]]:
-    """8 groups x 8 requests, 1,000-token prefix each, 60-token questions, 32 tokens out."""
+def shared_prefix_rows(loaded: Any, prefix: int) -> list[list[object]]:
+    """8 groups x 8 requests, ``prefix`` tokens each, 60-token questions, 32 tokens out, with
+    the engine's default settings on CUDA (deterministic plan, decode graphs)."""
     from engine import Engine
 
     ids = random_ids(0, loaded.config.vocab_size)
 
-    prompts = [p + ids(60) for p in (ids(1000) for _ in range(8)) for _ in range(8)]
+    prompts = [p + ids(60) for p in (ids(prefix) for _ in range(8)) for _ in range(8)]
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     rows: list[list[object]] = []
-    results = {}
+    results: dict[bool, list[tuple[float, float]]] = {}
+    pages = 64 * -(-(prefix + 100) // 16) + 64
     for cache in (False, True, False, True):
         with Engine(model=loaded, backend="flashinfer", prefix_cache=cache,
-                    batch_invariant=False, num_pages=16384) as engine:
+                    num_pages=pages) as engine:
             engine.generate(prompts[:2], params)  # warm-up (kernels, allocator)
             start = time.perf_counter()
             engine.generate(prompts, params, namespace=f"run-{time.time()}")
@@ -197,16 +229,18 @@ def shared_prefix_rows(loaded: Any) -> list[list[object]]:
         results.setdefault(cache, []).append((seconds, hit))
     for cache, runs in results.items():
         s = statistics.median(r[0] for r in runs)
-        rows.append(["on" if cache else "off", f"{s:.2f}", f"{64 * 32 / s:.0f}",
+        rows.append([prefix, "on" if cache else "off", f"{s:.2f}", f"{64 * 32 / s:.0f}",
                      f"{runs[-1][1]:.1%}"])
     speedup = statistics.median(r[0] for r in results[False]) / statistics.median(
         r[0] for r in results[True])
-    rows.append(["on vs off", f"{speedup:.2f}x faster", "", ""])
+    rows.append([prefix, "on vs off", f"{speedup:.2f}x faster", "", ""])
     return rows
 
 
 def exactness_rows(loaded: Any) -> list[list[object]]:
-    """Greedy answers cache on vs off and alone vs batched; logits alone vs batched."""
+    """Greedy answers cache on vs off, alone vs batched, prefill chunked vs whole, with the
+    engine's defaults (deterministic plan, decode graphs) and with the fastest settings;
+    logits alone vs batched."""
     from engine import Engine
 
     ids = random_ids(1, loaded.config.vocab_size)
@@ -215,15 +249,22 @@ def exactness_rows(loaded: Any) -> list[list[object]]:
     prompts = [shared + ids(10 + 7 * i) for i in range(12)] + [ids(50 + 30 * i) for i in range(4)]
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     rows: list[list[object]] = []
-    for invariant in (False, True):
+    for label, knobs in (
+        ("defaults", {}),
+        ("batch_invariant=False", {"batch_invariant": False}),
+    ):
         answers = {}
-        for name, cache, together in (
-            ("cache on, batched", True, True),
-            ("cache off, batched", False, True),
-            ("cache off, alone", False, False),
+        verified = None
+        for name, cache, together, chunk in (
+            ("cache on, batched", True, True, None),
+            ("cache off, batched", False, True, None),
+            ("cache off, batched, prefill chunks of 128", False, True, 128),
+            ("cache off, alone", False, False, None),
         ):
+            extra = {"max_batch_tokens": chunk} if chunk else {}
             with Engine(model=loaded, backend="flashinfer", prefix_cache=cache,
-                        batch_invariant=invariant, num_pages=8192) as engine:
+                        num_pages=8192, **knobs, **extra) as engine:
+                verified = engine.batch_invariant
                 if together:
                     engine.generate(prompts[:1], params)
                     outs = engine.generate(prompts, params)
@@ -231,12 +272,14 @@ def exactness_rows(loaded: Any) -> list[list[object]]:
                     outs = [engine.generate([p], params)[0] for p in prompts]
                 answers[name] = [o.token_ids for o in outs]
         base = answers["cache off, alone"]
-        for name in ("cache on, batched", "cache off, batched"):
+        for name in answers:
+            if name == "cache off, alone":
+                continue
             same = sum(a == b for a, b in zip(answers[name], base))
-            rows.append([f"batch_invariant={invariant}", f"{name} vs alone",
+            rows.append([f"{label} (verified invariant: {verified})", f"{name} vs alone",
                          f"{same}/{len(prompts)}"])
-        rows.append([f"batch_invariant={invariant}", "logits alone vs in a batch of 16",
-                     logits_identical(loaded, prompts, invariant)])
+        rows.append([label, "logits alone vs in a batch of 16",
+                     logits_identical(loaded, prompts, not knobs)])
     return rows
 
 
@@ -280,13 +323,14 @@ def main(argv: list[str] | None = None) -> None:
                     attention_rows(bandwidth)) + "\n", flush=True)
     speed = load_model(args.model, "cuda", "bfloat16")
     if "model" not in args.skip:
-        print(f"### Whole model ({args.model or 'bundled'}), eager, bf16\n")
+        print(f"### Whole model ({args.model or 'bundled'}), bf16, page 16\n")
         print(table(["case", "batch", "context", "ms/step", "tok/s", "floor ms", "x floor"],
                     model_rows(speed, bandwidth, peak)) + "\n", flush=True)
     if "workload" not in args.skip:
-        print("### Shared-prefix workload (64 requests, 8 prefixes of 1,000 tokens)\n")
-        print(table(["cache", "seconds", "output tok/s", "hit rate"],
-                    shared_prefix_rows(speed)) + "\n", flush=True)
+        print("### Shared-prefix workload (64 requests on 8 prefixes, 32 tokens out, defaults)\n")
+        found = [row for prefix in (1000, 4000) for row in shared_prefix_rows(speed, prefix)]
+        print(table(["prefix", "cache", "seconds", "output tok/s", "hit rate"], found) + "\n",
+              flush=True)
     if "exactness" not in args.skip:
         exact_model = load_model(args.exactness_model, "cuda", "bfloat16")
         print("### Exactness (greedy, 16 prompts, 32 tokens each)\n")

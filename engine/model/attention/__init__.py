@@ -22,16 +22,20 @@ def create_backend(
     it runs on ``threads`` threads), else the fastest one. ``flashinfer`` is FlashInfer's
     kernels on CUDA and their torch reference elsewhere (for tests: slow)."""
     if name == "flashinfer":
-        from engine.model.attention.flashinfer_backend import (
+        from engine.model.cuda.cascade_rule import CascadeCosts
+        from engine.model.cuda.flashinfer_backend import (
             FlashInferBackend,
             flashinfer_ops,
             reference_ops,
         )
 
-        ops = flashinfer_ops() if device.type == "cuda" else reference_ops()
+        on_cuda = device.type == "cuda"
+        ops = flashinfer_ops() if on_cuda else reference_ops()
+        # On the device a cascade must pay for its extra kernels (``cascade_rule``); the
+        # CPU reference cascades wherever it saves reads, so its tests exercise the merge.
         return FlashInferBackend(
             config.num_heads, config.num_kv_heads, config.head_dim, device, ops, dtype,
-            deterministic=exact,
+            deterministic=exact, cascade_costs=CascadeCosts() if on_cuda else None,
         )
     if name == "torch" and exact:
         from engine.model.attention import native

@@ -19,12 +19,17 @@ with the CPU cascade's trie (``cascade.shared_runs``); everything a layer reads 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.model.attention.cascade import shared_runs
-from engine.model.forward_batch import ForwardBatch
+from engine.model.cuda.cascade_rule import SharedRun
+from engine.model.forward_batch import ForwardBatch, HostTables
+
+# Whether attending these shared runs once (with this many levels) is worth it.
+CascadeTest = Callable[[list[SharedRun], int], bool]
 
 # A shared run is attended on its own only when it spares at least this many token reads.
 MIN_SAVED_TOKENS = 256
@@ -38,10 +43,24 @@ class PagedTables:
     kv_indptr: torch.Tensor  # [n + 1]
     kv_indices: torch.Tensor  # [pages]
     kv_last_page_len: torch.Tensor  # [n], 1..page_size
+    # The same indptrs and last page lengths on the host, for ``plan`` (None: use the above)
+    host: HostTables | None = None
 
     @property
     def num_entries(self) -> int:
         return int(self.kv_last_page_len.shape[0])
+
+    @property
+    def plan_qo_indptr(self) -> torch.Tensor:
+        return self.qo_indptr if self.host is None else self.host.qo_indptr
+
+    @property
+    def plan_kv_indptr(self) -> torch.Tensor:
+        return self.kv_indptr if self.host is None else self.host.kv_indptr
+
+    @property
+    def plan_kv_last_page_len(self) -> torch.Tensor:
+        return self.kv_last_page_len if self.host is None else self.host.kv_last_page_len
 
 
 @dataclass
@@ -77,34 +96,42 @@ class FlashInferPlan:
 
 
 def plan_flashinfer(
-    fb: ForwardBatch, cascade: bool = True, min_saved_tokens: int = MIN_SAVED_TOKENS
+    fb: ForwardBatch,
+    cascade: bool = True,
+    min_saved_tokens: int = MIN_SAVED_TOKENS,
+    pays: CascadeTest | None = None,
 ) -> FlashInferPlan:
     """The plan of pass ``fb``; with ``cascade``, prefixes shared by several requests are
-    attended once where that spares at least ``min_saved_tokens`` reads."""
+    attended once where that spares at least ``min_saved_tokens`` reads and ``pays`` (the
+    device's cost estimate, ``cascade_rule``; None: always) says it is faster."""
     dev = fb.input_ids.device
     ps = fb.page_size
-    full = PagedTables(fb.qo_indptr, fb.kv_indptr, fb.kv_indices, fb.kv_last_page_len)
-    qo_lens = torch.tensor(fb.qo_lens, dtype=torch.int64, device=dev)
-    batch_indices = torch.repeat_interleave(
-        torch.arange(fb.batch_size, dtype=torch.int32, device=dev), qo_lens
-    )
-    positions = fb.positions.to(torch.int32)
+    full = PagedTables(fb.qo_indptr, fb.kv_indptr, fb.kv_indices, fb.kv_last_page_len, fb.host)
+    if fb.append_batch_indices is not None and fb.append_positions is not None:
+        batch_indices, positions = fb.append_batch_indices, fb.append_positions
+    else:
+        qo_lens = torch.tensor(fb.qo_lens, dtype=torch.int64, device=dev)
+        batch_indices = torch.repeat_interleave(
+            torch.arange(fb.batch_size, dtype=torch.int32, device=dev), qo_lens
+        )
+        positions = fb.positions.to(torch.int32)
     shared = None
     own = full
     if cascade and fb.batch_size > 1:
-        found = _shared_prefixes(fb, min_saved_tokens)
+        found = _shared_prefixes(fb, min_saved_tokens, pays)
         if found is not None:
             shared, own = found
     return FlashInferPlan(full, own, batch_indices, positions, shared, fb.decode_shaped, ps)
 
 
 def _shared_prefixes(
-    fb: ForwardBatch, min_saved_tokens: int
+    fb: ForwardBatch, min_saved_tokens: int, pays: CascadeTest | None
 ) -> tuple[SharedPrefixes, PagedTables] | None:
     dev = fb.input_ids.device
     ps = fb.page_size
-    indptr = fb.kv_indptr.tolist()
-    pages = fb.kv_indices.tolist()
+    host = fb.host if fb.host is not None else fb  # page tables read on the host
+    indptr = host.kv_indptr.tolist()
+    pages = host.kv_indices.tolist()
     tables = [pages[indptr[b] : indptr[b + 1]] for b in range(fb.batch_size)]
     # Only whole pages before a request's first new token can be shared: its new tokens are
     # written into pages of its own.
@@ -137,6 +164,12 @@ def _shared_prefixes(
         s_pages.extend(tables[members[0]][a:b])
         s_kv.append(len(s_pages))
         saved += (len(members) - 1) * (b - a) * ps
+    if pays is not None:
+        found = [
+            SharedRun(len(m), (b - a) * ps, sum(fb.qo_lens[r] for r in m)) for m, a, b in runs
+        ]
+        if not pays(found, len(by_level)):
+            return None
     own_kv = [0]
     own_pages: list[int] = []
     for r, t in enumerate(tables):

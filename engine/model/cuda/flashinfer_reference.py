@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 LOG2E = 1.0 / math.log(2.0)
+ROW_BLOCK = 16  # query rows per product: one shape for every pass
 
 
 def _kv_len(num_pages: int, last_page_len: int, page_size: int) -> int:
@@ -35,7 +36,13 @@ def _attend_one(
     causal: bool,
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[n, Hq, D]``, k/v ``[L, Hkv, D]`` -> out ``[n, Hq, D]`` float32, lse ``[n, Hq]`` (base 2)."""
+    """q ``[n, Hq, D]``, k/v ``[L, Hkv, D]`` -> out ``[n, Hq, D]`` float32, lse ``[n, Hq]`` (base 2).
+
+    Batch-invariant, so that the engine's invariance checks can run on the reference: with
+    ``causal`` a query at position ``p`` (queries are the last ``n`` tokens) is computed in
+    the block of ``ROW_BLOCK`` positions holding ``p``, over exactly the keys up to that
+    block's end (zeros past the KV, all masked beyond ``p``), so every product and every
+    sum has a shape fixed by ``p`` alone, whatever the chunk or the batch."""
     n, hq, d = q.shape
     kv_len, hkv = k.shape[0], k.shape[1]
     if kv_len == 0:
@@ -45,14 +52,40 @@ def _attend_one(
     group = hq // hkv
     kf = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
     vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * sm_scale
+    out = torch.empty((n, hq, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((n, hq), dtype=torch.float32, device=q.device)
+    first = kv_len - n  # position of query 0
     if causal:
-        last_key = kv_len - n + torch.arange(n, device=q.device)  # per query
-        hidden = torch.arange(kv_len, device=q.device)[None, :] > last_key[:, None]
-        scores = scores.masked_fill(hidden[None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [Hq, n], natural log
-    out = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), vf)
-    return out, (lse * LOG2E).transpose(0, 1)
+        blocks = range(first // ROW_BLOCK, (kv_len - 1) // ROW_BLOCK + 1)
+    else:
+        blocks = range(-(-n // ROW_BLOCK))
+    for block in blocks:
+        if causal:
+            lo = max(block * ROW_BLOCK, first)  # positions of this block's queries
+            hi = min((block + 1) * ROW_BLOCK, kv_len)
+            rows = slice(lo - first, hi - first)
+            keys = (block + 1) * ROW_BLOCK
+            positions = torch.arange(lo, lo + ROW_BLOCK, device=q.device)
+        else:
+            rows = slice(block * ROW_BLOCK, min((block + 1) * ROW_BLOCK, n))
+            keys = kv_len
+        count = rows.stop - rows.start
+        qb = q[rows].float()
+        if count < ROW_BLOCK:
+            qb = torch.cat([qb, qb.new_zeros(ROW_BLOCK - count, hq, d)])
+        kb, vb = kf[:keys], vf[:keys]
+        if keys > kv_len:
+            pad = kf.new_zeros(keys - kv_len, hq, d)
+            kb, vb = torch.cat([kb, pad]), torch.cat([vb, pad])
+        scores = torch.einsum("nhd,lhd->hnl", qb, kb) * sm_scale
+        if causal:
+            hidden = torch.arange(keys, device=q.device)[None, :] > positions[:, None]
+            scores = scores.masked_fill(hidden[None], float("-inf"))
+        block_lse = torch.logsumexp(scores, dim=-1)  # [Hq, ROW_BLOCK], natural log
+        block_out = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), vb)
+        out[rows] = block_out[:count]
+        lse[rows] = (block_lse * LOG2E).transpose(0, 1)[:count]
+    return out, lse
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -81,10 +114,25 @@ class _PagedAttention:
         float_workspace_buffer: torch.Tensor,
         kv_layout: str = "NHD",
         use_tensor_cores: bool = False,
+        use_cuda_graph: bool = False,
+        qo_indptr: torch.Tensor | None = None,
+        kv_indptr: torch.Tensor | None = None,
+        kv_indices: torch.Tensor | None = None,
+        kv_last_page_len: torch.Tensor | None = None,
     ) -> None:
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout: the reference implements NHD only, got {kv_layout!r}")
         self._planned: _Planned | None = None
+        # CUDA-graph mode: ``plan`` copies the tables into these fixed buffers and ``run``
+        # reads them there, as the captured kernels do at replay.
+        self._graph: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor] | None
+        self._graph = None
+        if use_cuda_graph:
+            if kv_indptr is None or kv_indices is None or kv_last_page_len is None:
+                raise ValueError("use_cuda_graph: the index buffers are required")
+            if len(kv_indptr) != len(kv_last_page_len) + 1:
+                raise ValueError("kv_indptr: its length must be the batch size + 1")
+            self._graph = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
 
     def _plan(
         self,
@@ -111,6 +159,19 @@ class _PagedAttention:
             raise ValueError(
                 f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}"
             )
+        if self._graph is not None:
+            qo_buf, kv_buf, indices_buf, last_buf = self._graph
+            if len(kv_indptr) != len(kv_buf):
+                raise ValueError(
+                    f"batch size: {len(kv_indptr) - 1} in a CUDA-graph wrapper of {len(kv_buf) - 1}"
+                )
+            if len(kv_indices) > len(indices_buf):
+                raise ValueError("kv_indices: longer than the CUDA-graph buffer")
+            if qo_buf is not None and qo_indptr is not None:
+                qo_buf.copy_(qo_indptr)
+            kv_buf.copy_(kv_indptr)
+            indices_buf[: len(kv_indices)].copy_(kv_indices)
+            last_buf.copy_(kv_last_page_len)
         kv = kv_indptr.tolist()
         self._planned = _Planned(
             list(range(len(kv))) if qo_indptr is None else qo_indptr.tolist(),
@@ -133,6 +194,12 @@ class _PagedAttention:
         p = self._planned
         if p is None:
             raise RuntimeError("run called before plan")
+        if self._graph is not None:  # what the buffers hold now, not what was planned
+            qo_buf, kv_buf, indices_buf, last_buf = self._graph
+            kv = kv_buf.tolist()
+            qo = list(range(len(kv))) if qo_buf is None else qo_buf.tolist()
+            p = _Planned(qo, kv, indices_buf[: kv[-1]], last_buf.tolist(), p.page_size,
+                         p.causal, p.sm_scale)
         k_cache, v_cache = paged_kv_cache
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -154,6 +221,23 @@ class _PagedAttention:
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
     """``flashinfer.BatchPrefillWithPagedKVCacheWrapper``: queries of any length per request."""
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: torch.Tensor | None = None,
+        paged_kv_indptr_buf: torch.Tensor | None = None,
+        paged_kv_indices_buf: torch.Tensor | None = None,
+        paged_kv_last_page_len_buf: torch.Tensor | None = None,
+    ) -> None:
+        if use_cuda_graph and qo_indptr_buf is None:
+            raise ValueError("qo_indptr_buf: required in CUDA-graph mode")
+        super().__init__(
+            float_workspace_buffer, kv_layout, False, use_cuda_graph, qo_indptr_buf,
+            paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf,
+        )
 
     def plan(
         self,
@@ -183,6 +267,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
 class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
     """``flashinfer.BatchDecodeWithPagedKVCacheWrapper``: one query per request, every key."""
 
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: torch.Tensor | None = None,
+        paged_kv_indices_buffer: torch.Tensor | None = None,
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(
+            float_workspace_buffer, kv_layout, use_tensor_cores, use_cuda_graph, None,
+            paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer,
+        )
+
     def plan(
         self,
         indptr: torch.Tensor,
@@ -198,9 +297,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
         fixed_split_size: int | None = None,
         disable_split_kv: bool = False,
     ) -> None:
+        # One query at the end of its KV: causal is every key, and computed as the prefill
+        # wrapper computes a last row (FlashInfer's two kernels need not agree; this does).
         self._plan(
             None, indptr, indices, last_page_len,
-            num_qo_heads, num_kv_heads, head_dim, page_size, False, sm_scale,
+            num_qo_heads, num_kv_heads, head_dim, page_size, True, sm_scale,
         )
 
 

@@ -8,6 +8,13 @@ each distinct spec once (an LRU of grammar texts, validated against the tokenize
 matcher per running request. A row's mask reads only its own matcher, and masking sets
 disallowed logits to -inf element-wise, so a constrained greedy answer is the same alone or
 batched.
+
+A grammar that llguidance cannot follow to its end is refused at submission, never
+half-followed: llguidance reports limits lazily (a parser row over ``max_items_in_row``, an
+Earley set over ``step_max_items``, a mask with no token at all) by putting the matcher in an
+error state, whose mask allows EOS only, so the reply used to end "stop" with text outside
+the grammar. ``check`` therefore walks the grammar's first steps (``_probe``) and refuses what
+errs there; what errs later, mid-request, fails the request (``take_errors``), never "stop".
 """
 
 from __future__ import annotations
@@ -26,6 +33,16 @@ import torch
 from scheduler.params import StructuredOutputsParams
 
 CACHE_SIZE = 256  # distinct grammars kept compiled
+# Submission probe: masks computed along the grammar's forced path, and at its first branch
+# the branches looked one token down (spread over the allowed tokens). Each mask costs tens of
+# microseconds to a millisecond; the probe runs once per distinct spec (it is cached).
+PROBE_MASKS = 64
+PROBE_BRANCHES = 8
+
+
+class GrammarError(ValueError):
+    """llguidance stopped following a request's grammar mid-way (a limit it hit only there):
+    the request fails with this rather than end with text outside the grammar."""
 
 
 class Grammars:
@@ -38,6 +55,8 @@ class Grammars:
         self._lock = threading.Lock()  # callers' threads check, the loop's thread masks
         self._matchers: weakref.WeakKeyDictionary[Any, _Matcher] = weakref.WeakKeyDictionary()
         self._executor: Any = None  # llguidance's thread pool for the rows' masks
+        # Requests whose matcher erred in a mask since the last take_errors(): id -> message.
+        self._errors: dict[int, str] = {}
 
     # ------------------------------------------------------------------- compiling
 
@@ -61,6 +80,9 @@ class Grammars:
         if error and not error.startswith("WARNING"):
             first = error.strip().splitlines()[0]
             raise ValueError(f"{where}: cannot compile: {first}")
+        failure = _probe(LLMatcher(self.tokenizer, grammar, log_level=0), self.tokenizer)
+        if failure is not None:
+            raise ValueError(f"{where}: cannot be followed: {failure}")
         with self._lock:
             self._compiled[key] = grammar
             while len(self._compiled) > CACHE_SIZE:
@@ -106,6 +128,7 @@ class Grammars:
             rows.extend(range(first, first + valid + 1))
         if not jobs:
             return logits
+        constrained = [r for r, _, _ in spans if r.params.structured_outputs is not None]
         vocab = self.tokenizer.vocab_size
         words = (vocab + 31) // 32
         bitmask = np.zeros((len(logits), words), dtype=np.int32)
@@ -115,6 +138,12 @@ class Grammars:
                             (self.executor.unsafe_compute_mask_ptr_with_draft_token, drafted)):
             if batch:
                 call(batch, bitmask.ctypes.data, words * 4, len(logits))
+        for request, (llm, _, _) in zip(constrained, jobs):
+            if llm.is_error():  # its mask is EOS alone: the loop fails it instead
+                self._errors[request.id] = (
+                    f"structured_outputs: the grammar could not be followed after "
+                    f"{len(request.output)} tokens: {_first_line(llm.get_error())}"
+                )
         # Bit b of byte j of a row (little-endian words) is token 8 j + b.
         allowed = np.unpackbits(bitmask[rows].view(np.uint8), axis=1, bitorder="little")
         banned = np.zeros((len(logits), logits.shape[1]), dtype=bool)
@@ -129,6 +158,12 @@ class Grammars:
 
             self._executor = LLExecutor(num_threads=max(1, os.cpu_count() or 1))
         return self._executor
+
+    def take_errors(self) -> dict[int, str]:
+        """The requests (by id) whose matcher erred in the masks since the last call, and
+        why: their rows allowed EOS alone, so the caller fails them rather than take it."""
+        errors, self._errors = self._errors, {}
+        return errors
 
     def accept(self, given: list[tuple[Any, list[int]]]) -> None:
         """Feed each constrained request the tokens it was just given (its accepted drafts and
@@ -145,7 +180,7 @@ class Grammars:
             from llguidance import LLMatcher
 
             grammar = self.check(request.params.structured_outputs)
-            matcher = _Matcher(LLMatcher(self.tokenizer, grammar))
+            matcher = _Matcher(LLMatcher(self.tokenizer, grammar, log_level=0))
             self._matchers[request] = matcher
         matcher.catch_up(request.output)
         return matcher
@@ -168,6 +203,54 @@ class _Matcher:
     def feed(self, token: int) -> None:
         self.llm.consume_token(token)  # an error state masks to EOS only; never raises
         self.fed += 1
+
+
+def _probe(matcher: Any, tokenizer: Any) -> str | None:
+    """Why llguidance stops following the grammar within its first steps, or None. Walks the
+    forced path (one token allowed besides EOS: every reply takes it) up to an accepting state
+    or the first branch, and looks one token down a few branches there: a limit hit on those
+    (a parser row of 2,001 alternatives is reached after one token; a grammar no finite
+    string satisfies, ``start: "a" start``, grows its Earley sets past the limit while
+    forcing) would be hit by replies. Bounded (``PROBE_MASKS``): a miss is caught mid-request
+    by ``Grammars.mask``."""
+    eos = tokenizer.eos_token
+    budget = PROBE_MASKS
+    while budget > 0:
+        allowed = _allowed(matcher, tokenizer.vocab_size)
+        budget -= 1
+        if matcher.is_error():
+            return _first_line(matcher.get_error())
+        if matcher.is_accepting():
+            return None
+        tokens = allowed[allowed != eos]
+        if len(tokens) == 1:
+            matcher.consume_token(int(tokens[0]))
+            continue
+        step = max(1, len(tokens) // PROBE_BRANCHES)
+        for token in tokens[::step][: min(PROBE_BRANCHES, budget)]:
+            child = matcher.deep_copy()
+            child.consume_token(int(token))
+            child.compute_bitmask()
+            if child.is_error():
+                return _first_line(child.get_error())
+        return None
+    return None
+
+
+def _allowed(matcher: Any, vocab: int) -> np.ndarray:
+    """The token ids ``matcher``'s next mask allows."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                         bitorder="little")
+    return np.flatnonzero(bits[:vocab])
+
+
+def _first_line(error: str) -> str:
+    """llguidance's message without the parser state it appends; its terms for a mask with
+    no token allowed (no text satisfies the grammar from there) said in words."""
+    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    if first in ("NoExtension", "NoExtensionBias"):
+        return f"no text satisfies the grammar here (llguidance: {first})"
+    return first
 
 
 # How constrained JSON is laid out unless a schema's own "x-guidance" says otherwise: a space
@@ -200,6 +283,11 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_json_schema(with_json_layout({"type": "object"}))
     if spec.regex is not None:
         return LLMatcher.grammar_from_regex(spec.regex)
-    if spec.choice is not None:  # Lark string literals take JSON's escapes
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choice)))
+    if spec.choice is not None:
+        # One lexeme (an upper-case Lark rule: one regex) rather than a rule of alternatives,
+        # which llguidance's parser bounds at 2,000 items per row (2,001 choices sharing a
+        # first token erred after it). Lark string literals take JSON's escapes.
+        return LLMatcher.grammar_from_lark(
+            "start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, spec.choice))
+        )
     return LLMatcher.grammar_from_lark(spec.grammar or "")

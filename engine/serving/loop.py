@@ -29,6 +29,7 @@ from typing import Any
 from engine.model.malloc_tuning import keep_freed_memory
 from engine.model.runner import ModelRunner
 from engine.model.sampler import TokenLogprob
+from engine.model.structured import GrammarError
 from engine.model.threads import release_openmp_team
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.errors import EngineDeadError
@@ -291,6 +292,13 @@ class EngineLoop:
             return
         self._step_failures = 0
         now = time.monotonic()
+        # A grammar llguidance stopped following mid-way masked its row to EOS alone: the
+        # request fails (its error names the grammar) rather than end "stop" outside it.
+        grammars = self._runner.grammars
+        for request_id, message in (grammars.take_errors() if grammars else {}).items():
+            job = self._live.get(request_id)
+            if job is not None:
+                self._fail(job, GrammarError(message))  # aborted now: commit() skips it
         # Text first: the detokeniser reports stop strings, which commit() then decides on.
         # An entry may bring several tokens (an accepted draft): they are taken one by one,
         # up to the first that ends the request.

@@ -193,3 +193,56 @@ def test_draft_rows_are_masked_as_the_grammar_stands_after_the_drafts_before_the
     # The matcher is where the output left it: the next mask (no drafts) is row 0's again.
     again = grammars.mask(torch.zeros(1, vocab), [(request, [], 0)])
     assert np.array_equal(torch.isfinite(again[0]).numpy(), expected([])[0])
+
+
+# Grammars llguidance cannot follow (issue 47, finding 5). Before, each of these ended "stop"
+# with text outside its grammar: llguidance puts a matcher that hits one of its limits in an
+# error state whose mask allows EOS alone, and only logs it.
+CHOICES = [f"opt{i}" for i in range(5000)]
+WIDE_RULE = "start: " + " | ".join(f'"w{i}"' for i in range(2500))  # a row of 2,500 items
+# Three free choices, then a rule of 2,001 alternatives: the row limit is hit mid-request.
+LATE_LIMIT = ('start: ("red" | "blue") ";" ("cat" | "dog") ";" ("one" | "two") ";" big\n'
+              "big: " + " | ".join(f'"o{i}"' for i in range(2001)))
+
+
+def test_a_choice_of_thousands_of_alternatives_is_followed(engine) -> None:
+    """A choice is one lexeme, not a parser rule that llguidance bounds at 2,000 items
+    (5,000 choices gave "opt", which is none of them)."""
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True,
+                            structured_outputs=Structured(choice=CHOICES))
+    [out] = engine.generate(user("Pick an option."), params)
+    assert out.text in CHOICES and out.finish_reason == "stop", out.text
+
+
+def test_a_json_enum_of_20000_strings_keeps_working(engine) -> None:
+    enum = [f"s{i}" for i in range(20000)]
+    [out] = engine.generate(user("Pick a string."), constrained(20, json={"enum": enum}))
+    assert json.loads(out.text) in enum and out.finish_reason == "stop", out.text
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"grammar": WIDE_RULE},  # over llguidance's 2,000 items per row
+        {"grammar": 'start: "a" start'},  # no finite string satisfies these
+        {"grammar": 'start: "(" start ")"'},
+        {"regex": r"[^\s\S]"},  # matches nothing
+    ],
+    ids=["wide-rule", "endless", "endless-nested", "empty-regex"],
+)
+def test_a_grammar_llguidance_cannot_follow_is_refused_at_submit(engine, spec) -> None:
+    before = engine.stats().counters.requests
+    kind = next(iter(spec))
+    with pytest.raises(ValueError, match=rf"params.structured_outputs.{kind}: cannot be followed"):
+        engine.submit("hi", SamplingParams(ignore_eos=True, structured_outputs=Structured(**spec)))
+    assert engine.stats().counters.requests == before
+
+
+def test_a_grammar_that_stops_the_matcher_mid_request_fails_it_never_stops(engine) -> None:
+    """The submission probe looks one token past the first branch; a limit hit later fails
+    the request with the reason (a 400 over HTTP), never "stop" with text outside it."""
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True,
+                            structured_outputs=Structured(grammar=LATE_LIMIT))
+    with pytest.raises(ValueError, match=r"structured_outputs: the grammar could not be followed"):
+        engine.generate(user("Pick."), params)
+    assert_idle_accounting(engine)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -100,6 +101,42 @@ def token_logprobs(
     ]
 
 
+@dataclass
+class _RowParams:
+    """Each row's sampling numbers on the logits' device, from one host buffer in one copy
+    (made one tensor at a time they were six copies per step on a GPU)."""
+
+    temperature: torch.Tensor  # float32 [N]
+    top_p: torch.Tensor  # float32 [N]
+    min_p: torch.Tensor  # float32 [N]
+    top_k: torch.Tensor  # int64 [N]: the vocabulary where there is no top-k
+    seed: torch.Tensor  # int64 [N]
+    step: torch.Tensor  # int64 [N]
+
+    @classmethod
+    def of(
+        cls, params: Sequence[SamplingParams], steps: Sequence[int], rng: random.Random,
+        device: torch.device, vocab: int,
+    ) -> _RowParams:
+        n = len(params)
+        ints = [
+            [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+            [p.seed if p.seed is not None else rng.getrandbits(63) for p in params],
+            list(steps),
+        ]
+        floats = [[p.temperature for p in params], [p.top_p for p in params],
+                  [p.min_p for p in params]]
+        host = torch.empty(n * 36, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        host[: n * 24].view(torch.int64).view(3, n).copy_(torch.tensor(ints, dtype=torch.int64))
+        host[n * 24 :].view(torch.float32).view(3, n).copy_(
+            torch.tensor(floats, dtype=torch.float32)
+        )
+        moved = host.to(device, non_blocking=True) if device.type != "cpu" else host
+        i64 = moved[: n * 24].view(torch.int64).view(3, n)
+        f32 = moved[n * 24 :].view(torch.float32).view(3, n)
+        return cls(f32[0], f32[1], f32[2], i64[0], i64[1], i64[2])
+
+
 class Sampler:
     """Picks one token per row of a logits matrix, all rows in one vectorised pass."""
 
@@ -136,45 +173,32 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1)
         if all(p.is_greedy for p in params):
             return greedy_tokens
-        dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        greedy = temps < GREEDY_BELOW
-        x = logits / torch.where(greedy, 1.0, temps)[:, None]
-        x = self._apply_filters(x, params)
-        seeds = torch.tensor(
-            [p.seed if p.seed is not None else self._rng.getrandbits(63) for p in params],
-            dtype=torch.int64,
-            device=dev,
-        )
-        step_t = torch.tensor(list(steps), dtype=torch.int64, device=dev)
-        noise = gumbel_noise(seeds, step_t, vocab, self._hash_of_vocab(vocab, dev))
+        rows = _RowParams.of(params, steps, self._rng, logits.device, vocab)
+        greedy = rows.temperature < GREEDY_BELOW
+        x = logits / torch.where(greedy, 1.0, rows.temperature)[:, None]
+        x = self._apply_filters(x, params, rows)
+        noise = gumbel_noise(rows.seed, rows.step, vocab, self._hash_of_vocab(vocab, logits.device))
         sampled = (x + noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
     @staticmethod
-    def _apply_filters(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def _apply_filters(
+        x: torch.Tensor, params: Sequence[SamplingParams], rows: _RowParams
+    ) -> torch.Tensor:
         """Mask to -inf what top-k, then top-p, then min-p exclude (per row)."""
         dev = x.device
         vocab = x.shape[1]
-        neg_inf = torch.tensor(float("-inf"), device=dev)
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_k = torch.tensor(
-                [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
-                dtype=torch.int64,
-                device=dev,
-            )
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
             sorted_x, order = x.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=dev)[None, :]
-            drop = rank >= top_k[:, None]
+            drop = rank >= rows.top_k[:, None]
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
             probs = sorted_x.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
-            drop = drop | ((before >= top_p[:, None]) & (rank > 0))
+            drop = drop | ((before >= rows.top_p[:, None]) & (rank > 0))
             x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
             probs = x.softmax(dim=-1)
-            limit = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            x = torch.where(probs < limit, neg_inf, x)
+            limit = rows.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            x = x.masked_fill(probs < limit, float("-inf"))
         return x

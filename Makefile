@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.setup-stamp
 
-.PHONY: setup test lint bench demo clean
+.PHONY: setup test sanitize lint bench demo clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,17 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The kernel tests against builds with AddressSanitizer and UBSan (builds of their own in the
+# kernel cache, RADIXKV_SANITIZE=1); python is not instrumented, so libasan is preloaded.
+# Python leaks by design: no leak check. Any finding ends the process: a failed test.
+SANITIZE_TESTS := tests/engine/test_native_attention.py tests/engine/test_products.py \
+	tests/engine/test_kernel_portability.py tests/engine/test_native_fuzz.py
+
+sanitize: setup
+	RADIXKV_SANITIZE=1 LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 lint: setup
 	$(BIN)/ruff check radix scheduler engine server cluster workloads tests

@@ -137,6 +137,14 @@ def kernels_key() -> str:
     return h.hexdigest()
 
 
+def kernels_loaded() -> bool:
+    """Whether both native kernels load in this process (built and self-tested)."""
+    from engine.model.attention.native import load_kernel
+    from engine.model.products import load_products
+
+    return load_products() is not None and load_kernel() is not None
+
+
 def _to_json(result: ProbeResult) -> dict[str, object]:
     reports = {name: None if r is None else r.to_json() for name, r in result.reports.items()}
     return {"dtype": result.dtype, "reports": reports, "torch": torch.__version__}
@@ -170,6 +178,10 @@ def probe(
     limit = None if fp32 is None else SLOW_FACTOR * fp32.decode_s
     reports = {"float32": fp32, "bfloat16": runner("bfloat16", limit)}
     result = ProbeResult(choose(reports), reports)
+    if not kernels_loaded():
+        # A verdict on torch's fallback (a kernel that did not build, or failed its self-test
+        # this time) is not kept: the key names the kernels' sources, not whether they loaded.
+        return result
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -36,6 +36,22 @@ def test_probe_runs_children_and_remembers_its_decision(tmp_path: Path) -> None:
     assert again == first
 
 
+def test_a_verdict_reached_without_the_native_kernels_is_not_remembered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that failed to load once (a broken build, a failed self-test) must not leave
+    a not-invariant verdict under its sources' key for every later engine."""
+    from engine.model import probe as probe_module
+
+    def torch_fallback(dtype: str, limit: float | None) -> DtypeReport | None:
+        return DtypeReport(0.1, 1.0, False, 0.0, ("chunked, 1 threads",))
+
+    monkeypatch.setattr(probe_module, "kernels_loaded", lambda: False)
+    found = probe(tmp_path, runner=torch_fallback)
+    assert not found.verified("float32")
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_a_crashing_bf16_probe_falls_back_to_float32(tmp_path: Path) -> None:
     assert run_child("bfloat16", None, code=SIGILL_CHILD) is None
 

@@ -21,13 +21,15 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # The kernel tests against builds with AddressSanitizer and UBSan (builds of their own in the
-# kernel cache, RADIXKV_SANITIZE=1); python is not instrumented, so libasan is preloaded.
-# Python leaks by design: no leak check. Any finding ends the process: a failed test.
+# kernel cache, RADIXKV_SANITIZE=1); python is not instrumented, so libasan is preloaded, and
+# libstdc++ with it (else ASan's throw interceptor finds no __cxa_throw and every C++ exception
+# aborts). Python leaks by design: no leak check. Any finding ends the process: a failed test.
 SANITIZE_TESTS := tests/engine/test_native_attention.py tests/engine/test_products.py \
 	tests/engine/test_kernel_portability.py tests/engine/test_native_fuzz.py
 
 sanitize: setup
-	RADIXKV_SANITIZE=1 LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+	RADIXKV_SANITIZE=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 

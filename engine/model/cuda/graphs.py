@@ -174,9 +174,10 @@ class DecodeGraphs:
         for every pass of a bucket, which is what a graph captured."""
         return ForwardBatch.from_index(index, self.pool.device, self.buffers)
 
+    @torch.inference_mode()
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up on a side stream (FlashInfer and cuBLAS allocate on first use), then record
-        one pass of all-padding rows."""
+        one pass of all-padding rows (no autograd: the weights are parameters)."""
         fb = bucket.forward_batch
         bucket.backend.plan(fb)
         stream = torch.cuda.Stream()

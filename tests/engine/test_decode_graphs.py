@@ -170,3 +170,26 @@ def test_graphs_need_a_scratch_page_and_the_flashinfer_backend(loaded_fp32: Any)
     scratch = KVPool(cfg.num_layers, 8, PS, cfg.num_kv_heads, cfg.head_dim, scratch_pages=1)
     with pytest.raises(ValueError, match="flashinfer"):
         ModelRunner(loaded_fp32, scratch, backend="torch", cuda_graphs=True)
+
+
+def test_the_default_plans_decode_wrapper_runs_in_graph_mode_too(loaded_fp32: Any) -> None:
+    """batch_invariant=False: the graphs hold FlashInfer's decode wrapper (its own buffer
+    names in graph mode); through the reference its rows equal the eager pass's."""
+    cfg = loaded_fp32.config
+
+    def runner(graphs: bool) -> ModelRunner:
+        pool = KVPool(cfg.num_layers, PAGES, PS, cfg.num_kv_heads, cfg.head_dim,
+                      scratch_pages=1)
+        return ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=False,
+                           cuda_graphs=graphs, max_batch=4)
+
+    eager, graphs = runner(False), runner(True)
+    assert graphs.graphs is not None
+    lengths = [17, 33, 64]
+    for r in (eager, graphs):
+        _prefill(r, lengths)
+    batch = _decode_batch(lengths)
+    want = eager.forward(batch)
+    got = graphs.forward(batch)
+    assert graphs.graphs.replays == 1
+    assert torch.equal(got, want)

@@ -209,6 +209,10 @@ class OpenAIFront:
             load_front(config.engine.model), self._call, self._pool_tokens, self._summed_stats
         )
         self._server = config.server
+        if config.server.log_requests:  # the access lines reach the driver's stderr
+            from server.cli import log_to_stderr
+
+            log_to_stderr("info")
         threading.Thread(target=self._watch_stats, name="radixkv-stats", daemon=True).start()
 
     def _call(self, call: EngineCall) -> Any:

@@ -9,7 +9,8 @@ engine's asyncio API (``RequestHandle.events``); no thread per request.
 This module only wires routes to endpoints, one module each (``chat``, ``completions``,
 ``models``, ``tokenization``, ``probes``), over one ``ServerState`` (``state``). They share
 the checks before the body means anything (``checks``), the steps of generation
-(``generation``) and the following of engine requests to the client (``streaming``).
+(``generation``) and the following of engine requests to the client (``streaming``); every
+request gets one access line (``access_log``) unless the config turns it off.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from engine import EngineClient
 from server import chat, completions, models, probes, tokenization
+from server.access_log import AccessLog
 from server.config import ServerConfig
 from server.errors import APIError, as_api_error, not_found
 from server.state import ServerState
@@ -68,6 +71,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error, Exception: _unhandled},
+        middleware=[Middleware(AccessLog)] if state.config.log_requests else [],
     )
     app.state.server = state
     return app

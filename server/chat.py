@@ -21,14 +21,12 @@ from engine import (
     CallScanner,
     RequestOutput,
     TokenLogprob,
-    check_tools,
     cut_tool_calls,
     is_call_reply,
     kept_prompt,
     new_call_id,
     parse_tool_calls,
     tool_constraint,
-    with_tools,
 )
 from server import protocol
 from server.errors import as_api_error, invalid
@@ -46,14 +44,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     structure = protocol.structured_outputs(req)  # the format of a reply that is not a call
     calling = False
     if req.tools:
+        # rendered whatever tool_choice says
+        messages, functions = protocol.with_tool_section(messages, req.tools)
         try:
-            functions = check_tools(req.tools)
             constraint = tool_constraint(
                 functions, req.tool_choice, req.parallel_tool_calls, reply=structure
             )
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        messages = with_tools(messages, functions)  # rendered whatever tool_choice says
         calling = constraint is not structure  # tool_choice "none" leaves the reply's format
         structure = constraint
     elif req.tool_choice is not None:
@@ -73,7 +71,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         structure=structure,
         prompt_logprobs=req.prompt_logprobs,
     )
-    choices = submit(state, [ids], ["messages"], params, budget, req.cache_salt, req.stream)
+    choices = submit(
+        state, [ids], ["messages"], params, budget, req.cache_salt, req.stream,
+        renames=protocol.structure_renames(req, calling),
+    )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
         return EventStreamResponse(_stream(state, rid, req, choices, calling))

@@ -9,6 +9,7 @@ freed); the engine is closed and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -68,6 +69,13 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
     )
+    serve.add_argument(
+        "--log-requests",
+        default="on",
+        choices=["on", "off"],
+        help="one access line per request at info (method, path, status, time, tokens; "
+        "never the prompt); default on",
+    )
 
 
 def model_name(model: str | None) -> str:
@@ -87,8 +95,23 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         extra_model_names=names[1:],
         api_key=args.api_key,
         max_queued=args.max_queued,
+        # access lines are info: below that level they would be made only to be dropped
+        log_requests=args.log_requests == "on" and args.log_level in ("info", "debug"),
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
     )
+
+
+def log_to_stderr(level: str) -> None:
+    """radixkv's own loggers (the access lines, the server's and the engine's messages) to
+    stderr at ``level``, beside uvicorn's lines: without a handler, Python drops what is
+    below a warning."""
+    logger = logging.getLogger("radixkv")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "radixkv", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s: %(message)s"))
+        handler.radixkv = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
 
 
 def check_process_flags(args: argparse.Namespace) -> None:
@@ -113,6 +136,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2
+    log_to_stderr(args.log_level)
     started = time.perf_counter()
     print("radixkv: loading model ...", file=sys.stderr, flush=True)
     try:
@@ -136,7 +160,7 @@ def serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=args.grace_period + ENDING_S,
-            access_log=args.log_level == "debug",
+            access_log=False,  # ours (server.access_log) has the time and the tokens
         ),
         engine,
         args.grace_period,

@@ -22,6 +22,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = MAX_BODY_BYTES
     # Engine requests (prompts x n) one HTTP request may add: 400 beyond it.
     max_choices: int = MAX_CHOICES
+    # One INFO line per request on ``radixkv.access`` (method, path, status, time, tokens;
+    # never the body): a client's 4xx leave a trace. ``serve --log-requests off`` drops it.
+    log_requests: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_name:

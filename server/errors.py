@@ -35,13 +35,15 @@ class APIError(Exception):
     def __str__(self) -> str:
         return self.message
 
-    def body(self) -> dict[str, dict[str, str | int | None]]:
+    def body(self) -> dict[str, dict[str, str | None]]:
+        # ``code`` is a string or null, as OpenAI's is (clients type it so); the status is
+        # the HTTP response's own.
         return {
             "error": {
                 "message": self.message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.code if self.code is not None else self.status,
+                "code": self.code,
             }
         }
 

@@ -9,14 +9,14 @@ errors are said in the request's words: ``submit`` maps a ``ContextLengthError``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
 from engine import ContextLengthError, PromptIds, SamplingParams
-from server import protocol
+from server import access_log, protocol
 from server.checks import check_auth, check_model, check_queue, read_body
 from server.errors import APIError, from_engine, invalid
 from server.protocol import ChatRequest, CompletionRequest
@@ -91,11 +91,14 @@ def submit(
     budget: TokenBudget,
     namespace: str | None,
     stream: bool,
+    renames: Mapping[str, str] | None = None,
 ) -> list[Choice]:
     """Queues ``len(params)`` choices per prompt, all or nothing (what was queued is aborted
     if one fails). The ids go to the engine exactly as ``encode`` returned them, so they are
     not checked again; the engine checks what depends on the params (the stop ids against
-    the vocabulary, the context fit), and its errors name ``fields[p]`` for prompt ``p``."""
+    the vocabulary, the context fit), and its errors name ``fields[p]`` for prompt ``p``,
+    and a field the request calls otherwise by the request's name (``renames``: the engine's
+    name -> the request's)."""
     check_queue(state, len(prompts) * len(params))
     choices: list[Choice] = []
     try:
@@ -106,12 +109,15 @@ def submit(
                 except ContextLengthError as exc:
                     raise budget.too_long(exc, fields[p]) from None
                 except ValueError as exc:  # the engine's namespace is the request's salt
-                    raise from_engine(exc, {"namespace": "cache_salt"}) from None
+                    raise from_engine(
+                        exc, {"namespace": "cache_salt", **(renames or {})}
+                    ) from None
                 choices.append(Choice(p * len(params) + j, p, handle))
     except BaseException:
         for choice in choices:
             choice.handle.abort()
         raise
+    access_log.count(prompt=sum(map(len, prompts)))  # each prompt once, as usage counts it
     return choices
 
 

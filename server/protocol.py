@@ -19,7 +19,14 @@ from typing import Any
 
 import msgspec
 
-from engine import SamplingParams, StructuredOutputsParams, calls_text
+from engine import (
+    SamplingParams,
+    StructuredOutputsParams,
+    calls_text,
+    check_json_schema,
+    check_tools,
+    with_tools,
+)
 from server.errors import APIError, from_engine, invalid
 
 # Choices one request may ask for (each is a request in the engine; they share the prompt).
@@ -107,6 +114,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: Any = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # rendered into the conversation as chat renders them
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -168,6 +176,24 @@ def conversation(messages: list[ChatMessage], field: str = "messages") -> list[d
             continue
         out.append({"role": role, "content": _content_text(message, role, where)})
     return out
+
+
+def tool_functions(tools: Any) -> list[dict[str, Any]]:
+    """OpenAI's ``tools`` as the engine's functions, each ``parameters`` schema checked alone
+    (a 400 naming ``tools[i].function.parameters``)."""
+    try:
+        return check_tools(tools)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+
+
+def with_tool_section(
+    messages: list[dict[str, str]], tools: Any
+) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
+    """The conversation as the model reads it beside ``tools`` (their section in the system
+    turn), and the functions; chat and ``/tokenize`` share it, so their counts agree."""
+    functions = tool_functions(tools)
+    return with_tools(messages, functions), functions
 
 
 def _calls(calls: list[dict[str, Any]], where: str) -> list[tuple[str, str]]:
@@ -305,6 +331,10 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
                 "response_format.json_schema.schema: expected a JSON schema object",
                 param="response_format.json_schema.schema",
             )
+        try:
+            check_json_schema(schema, RESPONSE_SCHEMA)
+        except ValueError as exc:
+            raise invalid(str(exc), param=RESPONSE_SCHEMA) from None
         return StructuredOutputsParams(json=schema)
     if not given:
         return None
@@ -322,6 +352,22 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+RESPONSE_SCHEMA = "response_format.json_schema.schema"
+
+
+def structure_renames(req: ChatRequest, calling: bool) -> dict[str, str]:
+    """The engine names a grammar it refuses ``structured_outputs.<kind>``; a chat request's
+    grammar may have come from fields of other names: its ``response_format``, or its
+    ``tools`` (``calling``: the tools' constraint, which holds every tool's schema, and the
+    reply format beside them). The error names what the client sent."""
+    if calling:
+        return {f"structured_outputs.{kind}": "tools" for kind in ("json", "grammar")}
+    kind = (req.response_format or {}).get("type")
+    if kind == "json_schema":
+        return {"structured_outputs.json": RESPONSE_SCHEMA}
+    if kind == "json_object":
+        return {"structured_outputs.json_object": "response_format"}
+    return {}
 
 
 def choice_params(

@@ -16,7 +16,8 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from engine import EngineClient, PromptIds
+from engine import EngineClient, PromptIds, RequestOutput
+from server import access_log
 from server.config import ServerConfig
 from server.errors import invalid
 from server.metrics import ServerMetrics
@@ -70,6 +71,12 @@ class ServerState:
             return self.engine.tokenizer.decode(self.engine.encode(ids, field=field)) if ids else ""
 
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, decode)
+
+    def observe(self, output: RequestOutput) -> None:
+        """One finished engine request, seen once: the metrics and the request's access
+        line count its tokens."""
+        self.metrics.observe(output)
+        access_log.count(completion=len(output.token_ids))
 
     def in_background(self, coroutine: Awaitable[None]) -> None:
         """Runs ``coroutine`` as a task held until it ends (asyncio keeps only weak

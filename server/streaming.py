@@ -5,7 +5,8 @@ An HTTP request becomes ``Choice``s (one engine request each, see ``generation.s
 ``wait`` gathers their outputs; ``updates`` interleaves their deltas as they come. Both watch
 the ASGI ``receive`` channel for the client leaving, whatever the host (uvicorn, Ray Serve)
 and its ASGI spec version, and abort every choice at once so their pages go back to the pool
-within a step. Every output, aborted ones too, is observed by the metrics exactly once.
+within a step. Every output, aborted ones too, is observed (the metrics, the access line)
+exactly once.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ async def wait(
                 final.cancel()
                 left.append(choice)
             elif not final.cancelled() and final.exception() is None:
-                state.metrics.observe(final.result())
+                state.observe(final.result())
         abort(state, left)
 
 
@@ -152,7 +153,7 @@ async def updates(state: ServerState, choices: list[Choice]) -> AsyncIterator[Up
                 )
                 continue
             ended.add(choice.index)
-            state.metrics.observe(item)
+            state.observe(item)
             tail = sent[choice.index]
             scores = item.prompt_logprobs if first else None
             yield Update(
@@ -165,7 +166,7 @@ async def updates(state: ServerState, choices: list[Choice]) -> AsyncIterator[Up
             choice, item = queue.get_nowait()
             if isinstance(item, RequestOutput) and choice.index not in ended:
                 ended.add(choice.index)
-                state.metrics.observe(item)
+                state.observe(item)
         abort(state, [c for c in choices if c.index not in ended])
 
 
@@ -182,6 +183,6 @@ def abort(state: ServerState, choices: list[Choice]) -> None:
 async def _observe(state: ServerState, choices: list[Choice]) -> None:
     async def one(choice: Choice) -> None:
         with contextlib.suppress(BaseException):
-            state.metrics.observe(await choice.handle.aresult())
+            state.observe(await choice.handle.aresult())
 
     await asyncio.gather(*(one(choice) for choice in choices))  # none waits on another

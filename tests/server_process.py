@@ -18,8 +18,13 @@ class ServerProcess:
     """A real ``radixkv serve`` subprocess on a free loopback port (the bundled model)."""
 
     def __init__(
-        self, *args: str, ready_timeout: float = 180.0, module: str = "server.cli"
+        self,
+        *args: str,
+        ready_timeout: float = 180.0,
+        module: str = "server.cli",
+        log_level: str | None = "warning",
     ) -> None:
+        """``log_level`` None: the server's default (info, with its access lines)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="radixkv-serve-", suffix=".log")
@@ -32,8 +37,7 @@ class ServerProcess:
             str(self.port),
             "--dtype",
             "float32",
-            "--log-level",
-            "warning",
+            *(["--log-level", log_level] if log_level else []),
             *args,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

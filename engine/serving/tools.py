@@ -68,6 +68,7 @@ def check_tools(tools: Any, field: str = "tools") -> list[dict[str, Any]]:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, Mapping):
             raise ValueError(f"{where}.function.parameters: expected a JSON schema object")
+        check_json_schema(dict(parameters), f"{where}.function.parameters")
         entry = {"name": name, "parameters": dict(parameters)}
         if function.get("description"):
             entry["description"] = str(function["description"])
@@ -76,6 +77,23 @@ def check_tools(tools: Any, field: str = "tools") -> list[dict[str, Any]]:
     if len(set(names)) != len(names):
         raise ValueError(f"{field}: function names must be unique, got {names}")
     return functions
+
+
+def check_json_schema(schema: dict[str, Any], field: str) -> None:
+    """A ValueError naming ``field`` when ``schema`` cannot compile (an unknown type, a bad
+    ``$ref``). Each schema the client sent is checked alone, before it is combined with
+    others (the tools' call, a reply format): the combined grammar's error could only name
+    the whole, under a field the client never sent. No tokenizer is needed for this, so a
+    front end without the engine can check too."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(with_json_layout(schema))
+        error = LLMatcher.validate_grammar(grammar, None)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{field}: {exc}") from None
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"{field}: cannot compile: {error.strip().splitlines()[0]}")
 
 
 def tools_text(functions: list[dict[str, Any]]) -> str:

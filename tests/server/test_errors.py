@@ -84,6 +84,10 @@ MATRIX = [
     (CHAT, chat(tool_choice="none"), 400, "tool_choice"),
     (CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type"),
     (CHAT, chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema.schema"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {
+        "type": "no-such-type"}}}), 400, "response_format.json_schema.schema"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "no-such-type"}}}]), 400, "tools[0].function.parameters"),
     (CHAT, chat(structured_outputs={"regex": "a("}), 400, "structured_outputs.regex"),
     (CHAT, chat(structured_outputs={"regex": "a", "choice": ["b"]}), 400, "structured_outputs"),
     (CHAT, chat(structured_outputs={"grammar": "start: foo"}), 400, "structured_outputs.grammar"),
@@ -125,6 +129,7 @@ def test_bad_input_gets_openai_error_json(
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] is not None and error["param"].startswith(param), error
     assert "Traceback" not in error["message"]
+    assert error["code"] is None or isinstance(error["code"], str), error  # as OpenAI's
 
 
 @pytest.mark.parametrize(
@@ -144,6 +149,7 @@ def test_unparseable_bodies_get_400(server_url: str, raw: bytes) -> None:
     assert reply.status_code == 400
     assert reply.json()["error"]["type"] == "invalid_request_error"
     assert "codec" not in reply.json()["error"]["message"]  # ours, not Python's
+    assert reply.json()["error"]["code"] is None  # a string or null, never the status
 
 
 def test_json_nested_too_deeply_is_a_400_not_a_500(server_url: str) -> None:
@@ -258,3 +264,28 @@ def test_server_keeps_serving_after_the_error_matrix(server_url: str) -> None:
     reply = httpx.post(server_url + CHAT, json=chat(temperature=0), timeout=60)
     assert reply.status_code == 200
     assert reply.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "calling", "named"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, False,
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_object"}}, False, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, True, "tools"),
+        ({"structured_outputs": {"json": {}}}, False, "structured_outputs.json"),
+    ],
+)
+def test_a_grammar_the_engine_refuses_is_named_by_the_field_it_came_from(
+    fields: dict, calling: bool, named: str
+) -> None:
+    """What the engine still refuses of the grammar a chat request's fields combine into (it
+    names it structured_outputs.<kind>) is named by the field the client sent."""
+    from server import protocol
+    from server.errors import from_engine
+
+    req = protocol.decode_body(json.dumps(chat(**fields)).encode(), protocol.ChatRequest)
+    kind = "json_object" if named == "response_format" else "json"
+    refused = ValueError(f"params.structured_outputs.{kind}: too many alternatives")
+    error = from_engine(refused, protocol.structure_renames(req, calling))
+    assert error.param == named and error.message == f"{named}: too many alternatives"

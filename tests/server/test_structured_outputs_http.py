@@ -88,3 +88,24 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_the_field(client: openai.
             extra_body={"structured_outputs": {"regex": "(unclosed"}},
         )
     assert caught.value.body["param"] == "structured_outputs.regex"
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_a_response_format_schema_that_cannot_compile_is_a_400_naming_response_format(
+    client: openai.OpenAI, with_tools: bool
+) -> None:
+    """Named as the client sent it (it said structured_outputs.json, our internal name),
+    alone and beside tools (where it becomes part of one grammar)."""
+    extra = {}
+    if with_tools:
+        extra["tools"] = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=8,
+            response_format=schema_format({"type": "no-such-type"}), **extra,
+        )
+    error = caught.value.body
+    assert error["param"] == "response_format.json_schema.schema", error
+    assert error["message"].startswith("response_format.json_schema.schema: "), error
+    assert "structured_outputs" not in error["message"]
+    assert error["code"] is None or isinstance(error["code"], str)

@@ -262,3 +262,39 @@ def test_a_reply_cut_short_streams_what_the_whole_reply_holds(
     else:
         assert max_tokens == 3 and content == whole.message.content and content.startswith("{")
         assert calls == {}
+
+
+def test_tokenize_counts_the_tools_as_the_chat_request_does(
+    client: openai.OpenAI, server_url: str
+) -> None:
+    """Agent frameworks count a conversation's tokens before sending it: with tools, the
+    count must be the chat request's own (it ignored them: 82 tokens where chat said 210)."""
+    import httpx
+
+    counted = httpx.post(
+        server_url + "/tokenize", json={"messages": ASK, "tools": TOOLS}, timeout=60
+    ).json()
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1, temperature=0
+    )
+    assert counted["count"] == reply.usage.prompt_tokens
+    without = httpx.post(server_url + "/tokenize", json={"messages": ASK}, timeout=60).json()
+    assert without["count"] < counted["count"]
+
+
+@pytest.mark.parametrize("bad", [{"type": "no-such-type"}, {"$ref": "#/$defs/missing"}])
+def test_a_tool_schema_that_cannot_compile_is_a_400_naming_that_tools_parameters(
+    client: openai.OpenAI, bad: dict
+) -> None:
+    """Named as the client sent it, not by the engine's internal structured_outputs."""
+    broken = {"type": "object", "properties": {"x": bad}}
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": broken}}]
+    for choice in ("auto", "required"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=tools, tool_choice=choice, max_tokens=4
+            )
+        error = caught.value.body
+        assert error["param"] == "tools[1].function.parameters", error
+        assert error["message"].startswith("tools[1].function.parameters: "), error
+        assert "structured_outputs" not in error["message"]

@@ -7,6 +7,17 @@ from dataclasses import dataclass, field
 from scheduler.request import Request
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // page_size)
+
+
+def slots_for(pages: list[int], page_size: int, start: int, end: int) -> list[int]:
+    """The pool slots of positions ``start .. end - 1`` over page table ``pages``: the one
+    place a position becomes ``page * page_size + offset``."""
+    return [pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)]
+
+
 @dataclass
 class BatchEntry:
     """The tokens one request feeds into this forward pass.
@@ -50,11 +61,11 @@ class BatchEntry:
         longer than needed): its slots follow from the pages (hand-built batches: benchmarks,
         the invariance check, tests)."""
         kv_len = start_pos + len(input_ids)
-        pages = list(pages[: -(-kv_len // page_size)])
-        slots = [
-            pages[p // page_size] * page_size + p % page_size for p in range(start_pos, kv_len)
-        ]
-        return cls(request, list(input_ids), start_pos, pages, slots, sample)
+        pages = list(pages[: pages_for(kv_len, page_size)])
+        return cls(
+            request, list(input_ids), start_pos, pages,
+            slots_for(pages, page_size, start_pos, kv_len), sample,
+        )
 
     @property
     def kv_len(self) -> int:

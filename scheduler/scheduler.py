@@ -1,8 +1,11 @@
 """The scheduler: which requests run next, how many of their tokens, and on which pages.
 
 One step = ``schedule()`` (plan a batch: decodes, prefill chunks of running requests, then
-admissions in policy order, all within ``max_batch_tokens`` and ``max_running``) followed by
+admissions in policy order, all within ``max_batch_tokens`` and ``max_running``; then the step
+extensions: speculative decoding and shared rows, ``step_extension``) followed by
 ``commit()`` (append sampled tokens, insert computed prefixes into the tree, finish requests).
+The scheduler keeps admission, batching, preemption and commit; positions become pages and
+slots in ``StepPlan`` alone.
 
 Where KV lives is the ``KVManager``'s business: a running request holds one ``CacheHandle``
 (its page table: the tree's pages of its cached prefix, then its private pages), and the
@@ -11,34 +14,29 @@ scheduler only asks the manager to acquire, grow, cache and release it.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import time
 from collections.abc import Container, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from radix import KVManager
-from scheduler.batch import Batch, BatchEntry
+from scheduler.batch import Batch, BatchEntry, pages_for
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
-from scheduler.drafts import Draft, Drafter
 from scheduler.grouping import PrefillClaims
 from scheduler.matching import MatchIndex, matchable_length, root_anchor
 from scheduler.params import SamplingParams
 from scheduler.policy import make_queue
 from scheduler.request import Request, RequestState
-from scheduler.speculation import Candidate, SpeculationGate
-from scheduler.twins import follows, twin_key
+from scheduler.resume_queue import ResumeQueue
+from scheduler.shared_rows import SharedRows
+from scheduler.speculative import SpeculativeDecoding
+from scheduler.step_extension import StepExtension
+from scheduler.step_plan import StepPlan
 
 # Weight of one finished request in the moving average of the generated fraction.
 _RATIO_EMA_WEIGHT = 0.1
-
-
-@dataclass
-class _StepPlan:
-    budget: int
-    entries: dict[Request, BatchEntry] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -61,8 +59,7 @@ class Scheduler:
         self._page_size = config.page_size
         self._queue = make_queue(config.policy, config.page_size)
         self._matches = MatchIndex(kv)
-        self._resume: list[Request] = []  # preempted requests, oldest arrival first
-        self._resume_keys: list[int] = []  # their arrivals (bisect index)
+        self._resume = ResumeQueue()  # preempted requests, oldest arrival first
         self._running: dict[Request, None] = {}  # admission order: the last is the newest
         self._live: dict[int | str, Request] = {}  # waiting or running, by id
         self._arrivals = itertools.count()
@@ -70,16 +67,17 @@ class Scheduler:
         self._generated_fraction = config.reserve_ratio_init
         self._preemption_boost = 0.0
         self._inflight: Batch | None = None
-        # Speculative decoding (None: off): what to guess, how much of it to verify.
-        self._drafter: Drafter | None = None
-        self._gate: SpeculationGate | None = None
-        self._verifying: dict[Request, Draft] = {}  # the draft each request verifies
-        # Each decoding request's twin key (scheduler/twins.py), made once.
-        self._twin_keys: dict[Request, tuple[object, ...] | None] = {}
-        self._accepted_per_pos = [0] * config.num_speculative_tokens
+        # Step features, in the order they see a plan (None / absent: off).
+        self._speculation: SpeculativeDecoding | None = None
         if config.speculation == "tree":
-            self._drafter = Drafter(kv, config.num_speculative_tokens)
-            self._gate = SpeculationGate()
+            self._speculation = SpeculativeDecoding(
+                kv, config.num_speculative_tokens, self._counters
+            )
+        self._extensions: list[StepExtension] = []
+        if self._speculation is not None:
+            self._extensions.append(self._speculation)
+        if config.share_rows:
+            self._extensions.append(SharedRows(self._counters))
 
     # ------------------------------------------------------------------ public API
 
@@ -94,7 +92,8 @@ class Scheduler:
     @property
     def counters(self) -> SchedulerCounters:
         """A snapshot of the monotone counters (evicted pages as the KV manager counts them)."""
-        per_pos = tuple(self._accepted_per_pos) if self._gate is not None else ()
+        spec = self._speculation
+        per_pos = tuple(spec.accepted_per_pos) if spec is not None else ()
         return replace(
             self._counters,
             evicted_pages=self._kv.evicted_pages,
@@ -134,7 +133,7 @@ class Scheduler:
             request.prompt = list(request.prompt)
         if not request.prompt:
             raise ValueError("request.prompt: must hold at least 1 token, got 0")
-        pages = _pages_for(len(request.prompt) + request.max_new_tokens - 1, self._page_size)
+        pages = pages_for(len(request.prompt) + request.max_new_tokens - 1, self._page_size)
         if pages > self._kv.num_pages:
             raise ValueError(
                 f"request.prompt: {len(request.prompt)} tokens + max_new_tokens "
@@ -173,7 +172,7 @@ class Scheduler:
         for request in self._matches.refresh():
             self._queue.update(request, self._matches.get(request).length)
 
-        plan = _StepPlan(budget=cfg.max_batch_tokens)
+        plan = StepPlan(budget=cfg.max_batch_tokens, page_size=self._page_size)
         # 1. One token for every decoding request (preempting the newest when pages run out).
         for request in list(self._running):
             if request.state is RequestState.RUNNING and not request.is_prefilling:
@@ -187,16 +186,14 @@ class Scheduler:
                 self._plan_tokens(plan, request, min(remaining, plan.budget))
         # 3. New (and preempted) requests.
         self._admit(plan)
-        # 4. Draft tokens for decoding requests, where the gate expects them to pay.
-        if self._drafter is not None and plan.entries:
-            self._add_drafts(plan)
-        # 5. Identical requests: one computes, the others copy.
-        if cfg.share_rows:
-            self._share_rows(plan)
+        # 4. Draft tokens where the gate expects them to pay; identical requests' rows shared.
+        if plan.entries:
+            for extension in self._extensions:
+                extension.extend(plan, self._kv)
         if not plan.entries:
             return None
         self._counters.steps += 1
-        batch = Batch(entries=list(plan.entries.values()), page_size=self._page_size)
+        batch = plan.batch()
         self._inflight = batch
         return batch
 
@@ -265,13 +262,8 @@ class Scheduler:
         cached, overwritten when those positions are computed for real."""
         request = entry.request
         accepted = [int(t) for t in tokens] if isinstance(tokens, Sequence) else [int(tokens)]
-        if entry.twin_of is None:  # a twin's draft is its leader's tokens, counted there
-            matched = 0
-            while matched < min(len(entry.draft), len(accepted)) and (
-                accepted[matched] == entry.draft[matched]
-            ):
-                matched += 1
-            self._record_verify(request, len(entry.draft), matched)
+        for extension in self._extensions:
+            extension.committed(entry, accepted)
         counters = self._counters
         for index, token in enumerate(accepted):
             request.output.append(token)
@@ -284,26 +276,11 @@ class Scheduler:
                 return True
         return False
 
-    def _record_verify(self, request: Request, drafted: int, accepted: int) -> None:
-        counters = self._counters
-        counters.spec_decode_num_drafts += 1
-        counters.spec_decode_num_draft_tokens += drafted
-        counters.spec_decode_num_accepted_tokens += accepted
-        for position in range(accepted):
-            self._accepted_per_pos[position] += 1
-        draft = self._verifying.pop(request, None)
-        if self._gate is not None and draft is not None:
-            self._gate.record(request, draft, drafted, accepted)
-
     def observe_step(self, batch: Batch, seconds: float) -> None:
         """The forward pass (and sampling) of ``batch`` took ``seconds``: what the speculation
-        gate weighs draft tokens against. Only passes of decodes and verifies are fitted: a
-        prompt token computes no logits and rides in a taller matrix product, so passes with
-        prefill in them made a draft row look half its cost (fitted 0.3 ms where decode and
-        verify rows cost 0.6-0.75 ms at ~1,100 tokens of context on 2 cores), and the gate
-        lost 5-7% at 16 in flight on a trace with little to draft."""
-        if self._gate is not None and all(e.is_decode for e in batch.entries):
-            self._gate.cost.observe(batch.num_computed_rows, seconds)
+        gate weighs draft tokens against."""
+        if self._speculation is not None:
+            self._speculation.observe_step(batch, seconds)
 
     def _finish(self, request: Request, reason: str) -> None:
         self._release(request, keep=True)
@@ -332,7 +309,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan_tokens(self, plan: _StepPlan, request: Request, n: int) -> None:
+    def _plan_tokens(self, plan: StepPlan, request: Request, n: int) -> None:
         """Add ``n`` tokens of ``request`` to the plan, getting pages for them.
 
         A prefill chunk shrinks to the pages that can be had; when not even one token fits,
@@ -350,113 +327,15 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is request:
                 return
-        tokens = _token_slice(request, start, start + n)
-        pages = kv.pages[: _pages_for(start + n, p)]
-        slots = [pages[pos // p] * p + pos % p for pos in range(start, start + n)]
-        sample = start + n == request.num_tokens
         scored = range(0)
         if request.scores_prompt:
             scored = range(max(start, request.scored), min(start + n, len(request.prompt) - 1))
-        plan.entries[request] = BatchEntry(request, tokens, start, pages, slots, sample,
-                                           scored=scored)
+        sample = start + n == request.num_tokens
+        plan.place(request, _token_slice(request, start, start + n), start, kv.pages, sample,
+                   scored=scored)
         plan.budget -= n
 
-    def _add_drafts(self, plan: _StepPlan) -> None:
-        """Turn decode entries into verify entries (the last token plus drafts) where the gate
-        grants draft tokens; pages for them come from the free list only (never by evicting or
-        preempting), and they fit the step's token budget."""
-        drafter, gate = self._drafter, self._gate
-        assert drafter is not None and gate is not None
-        tokens = sum(len(e.input_ids) for e in plan.entries.values())
-        sampled = sum(1 for e in plan.entries.values() if e.sample)
-        if plan.budget <= 0 or not gate.may_grant(tokens, sampled):
-            return
-        cap = self._config.num_speculative_tokens
-        wants = [(request, min(cap, request.max_new_tokens - len(request.output) - 1))
-                 for request, entry in plan.entries.items() if entry.is_decode]
-        candidates = [Candidate(request, draft)
-                      for (request, _), draft in zip(wants, drafter.propose_all(wants))
-                      if draft.tokens]
-        if not candidates:
-            return
-        granted = gate.grant(candidates, tokens, sampled, plan.budget)
-        p = self._page_size
-        for candidate, k in zip(candidates, granted):
-            request = candidate.request
-            entry = plan.entries[request]
-            kv = request.kv
-            if k == 0 or kv is None or not self._kv.allocate(kv, entry.kv_len + k, evict=False):
-                continue
-            draft = candidate.draft.tokens[:k]
-            start = entry.start_pos
-            end = start + 1 + k
-            pages = kv.pages[: _pages_for(end, p)]
-            slots = [pages[pos // p] * p + pos % p for pos in range(start, end)]
-            plan.entries[request] = BatchEntry(
-                request, entry.input_ids + draft, start, pages, slots, True, draft
-            )
-            plan.budget -= k
-            self._verifying[request] = candidate.draft
-
-    def _share_rows(self, plan: _StepPlan) -> None:
-        """Make each decoding request that follows another of this step (its tokens a prefix
-        of the other's, same sampling: ``scheduler/twins.py``) a twin of the one furthest
-        ahead: it feeds that one's tokens up to the end of its entry and is computed by it."""
-        groups: dict[tuple[object, ...], list[BatchEntry]] = {}
-        keys = self._twin_keys
-        for request, entry in plan.entries.items():
-            if not entry.is_decode:
-                continue
-            if request not in keys:
-                keys[request] = twin_key(request)
-            key = keys[request]
-            if key is not None:
-                groups.setdefault(key, []).append(entry)
-        twins: list[BatchEntry] = []
-        for group in groups.values():
-            if len(group) < 2:
-                continue
-            group.sort(key=lambda e: -len(e.request.output))
-            leaders: list[BatchEntry] = []
-            for entry in group:
-                leader = next((e for e in leaders if follows(entry.request, e.request)), None)
-                twin = None if leader is None else self._twin_entry(entry, leader, plan)
-                if twin is None:
-                    leaders.append(entry)
-                else:
-                    twins.append(twin)
-        for twin in twins:
-            plan.entries[twin.request] = twin
-            self._counters.shared_rows += len(twin.input_ids)
-
-    def _twin_entry(
-        self, entry: BatchEntry, leader: BatchEntry, plan: _StepPlan
-    ) -> BatchEntry | None:
-        """``entry`` as ``leader``'s twin: it feeds ``leader``'s tokens from its own position to
-        the end of ``leader``'s entry (draft included). None where those are more tokens than
-        the step's budget has left or its pages can cover without evicting."""
-        request = entry.request
-        start = entry.start_pos
-        if start == leader.start_pos and entry.input_ids == leader.input_ids:
-            return replace(entry, twin_of=leader)
-        # Decoding, so ``start`` is past the prompt: the tokens come from the leader's output.
-        ahead = leader.request
-        base = len(ahead.prompt)
-        inputs = (ahead.output + leader.draft)[start - base : leader.kv_len - base]
-        extra = len(inputs) - len(entry.input_ids)
-        kv = request.kv
-        if kv is None or extra > plan.budget:
-            return None
-        if not self._kv.allocate(kv, leader.kv_len, evict=False):
-            return None
-        plan.budget -= max(0, extra)
-        p = self._page_size
-        pages = kv.pages[: _pages_for(leader.kv_len, p)]
-        slots = [pages[pos // p] * p + pos % p for pos in range(start, leader.kv_len)]
-        self._verifying.pop(request, None)
-        return BatchEntry(request, inputs, start, pages, slots, True, inputs[1:], leader)
-
-    def _admit(self, plan: _StepPlan) -> None:
+    def _admit(self, plan: StepPlan) -> None:
         """Admit preempted requests (strictly first), then waiting ones in policy order."""
         cfg = self._config
         p = self._page_size
@@ -466,13 +345,12 @@ class Scheduler:
         while self._resume:
             if plan.budget <= 0 or len(self._running) >= cfg.max_running:
                 return
-            request = self._resume[0]
+            request = self._resume.head()
             admitted = self._try_admit(plan, request, committed)
             if admitted is None:
                 return  # head of line: nothing overtakes a preempted request
             committed = admitted
-            self._resume.pop(0)
-            self._resume_keys.pop(0)
+            self._resume.pop_head()
             if request.state is RequestState.RUNNING:
                 self._queue.running_started(request)
         claims = PrefillClaims(p, cfg.group_min_pages)
@@ -505,7 +383,7 @@ class Scheduler:
             self._queue.remove(request)
             matches.remove(request)
 
-    def _try_admit(self, plan: _StepPlan, request: Request, committed: int) -> int | None:
+    def _try_admit(self, plan: StepPlan, request: Request, committed: int) -> int | None:
         """Admit ``request`` if memory allows; returns the new committed page count."""
         tokens = request.all_tokens
         matchable = tokens[: matchable_length(request, self._page_size)]
@@ -543,7 +421,7 @@ class Scheduler:
         remaining_new = request.max_new_tokens - len(request.output)
         estimate = math.ceil(remaining_new * self.reserve_ratio)
         most = len(request.prompt) + request.max_new_tokens - 1
-        return _pages_for(min(most, request.num_tokens + estimate), self._page_size)
+        return pages_for(min(most, request.num_tokens + estimate), self._page_size)
 
     def _outstanding_pages(self, request: Request) -> int:
         held = len(request.kv.pages) if request.kv is not None else 0
@@ -567,19 +445,15 @@ class Scheduler:
         del self._running[request]
         self._queue.running_ended(request)
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
-        entry = plan.entries.pop(request, None)
-        if entry is not None:
-            plan.budget += len(entry.input_ids)
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        plan.drop(request)
         self._release(request, keep=True)
         request.state = RequestState.WAITING
         request.num_computed = 0
         request.num_preemptions += 1
         self._counters.preemptions += 1
         self._preemption_boost = 1.0
-        index = bisect.bisect(self._resume_keys, request.arrival)
-        self._resume_keys.insert(index, request.arrival)
-        self._resume.insert(index, request)
+        self._resume.push(request)
 
     def _anchor(self, request: Request) -> Hashable:
         """Where a running request's tree part ends: its last tree page, or the root."""
@@ -598,19 +472,11 @@ class Scheduler:
             self._matches.remove(request)
             self._queue.remove(request)
         else:
-            index = self._resume.index(request)
-            del self._resume[index]
-            del self._resume_keys[index]
+            self._resume.remove(request)
 
     def _retire(self, request: Request, state: RequestState, reason: str) -> None:
-        self._twin_keys.pop(request, None)
-        if self._drafter is not None and self._gate is not None:
-            if state is RequestState.FINISHED and self._kv.prefix_cache:
-                self._drafter.finished(request)
-            else:
-                self._drafter.forget(request)
-            self._gate.forget(request)
-            self._verifying.pop(request, None)
+        for extension in self._extensions:
+            extension.forget(request, finished=state is RequestState.FINISHED)
         request.state = state
         request.finish_reason = reason
         request.finish_time = time.monotonic()
@@ -623,10 +489,6 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:

@@ -20,7 +20,7 @@ from engine.model.products import load_products
 from engine.model.sampler import Sampler, TokenLogprob, token_logprobs
 from engine.model.structured import Grammars
 from engine.model.threads import ThreadPolicy
-from scheduler.batch import Batch, BatchEntry
+from scheduler.batch import Batch, BatchEntry, slots_for
 
 # Prompt rows scored at once: bounds the log-softmax's memory (rows x vocabulary floats).
 _SCORE_ROWS = 256
@@ -277,8 +277,7 @@ class ModelRunner:
             known = entry.draft[: leader.start_pos - entry.start_pos]
             out.tokens.append(known + result.tokens[i])
             out.logprobs.append([])
-            src.extend(leader.pages[pos // p] * p + pos % p
-                       for pos in range(entry.start_pos, entry.kv_len))
+            src.extend(slots_for(leader.pages, p, entry.start_pos, entry.kv_len))
             dst.extend(entry.slots)
         self.pool.copy_slots(src, dst)
         return out

@@ -413,4 +413,5 @@ def test_the_gate_prices_rows_only_from_passes_of_decodes_and_verifies() -> None
         else:
             mixed += 1
     assert mixed > 0 and decode_only > 0
-    assert sched._gate is not None and sched._gate.cost.passes == decode_only
+    spec = sched._speculation
+    assert spec is not None and spec.gate.cost.passes == decode_only

@@ -6,14 +6,19 @@ across tokens (byte-level BPE), and some tokens only decode correctly next to th
 short window that starts one step back, and emits only the part of the window's text that is
 new; text that ends in an incomplete character is held until the character is complete.
 
-Stop strings are matched on the decoded text. Text that could still turn into a stop string is
-held back, so a stream never shows a stop string, nor a piece of one that later completes.
+Stop strings are matched on the decoded text, by one automaton over all of them
+(``stop_strings.StopAutomaton``: each character read once, whatever their number). Text that
+could still turn into a stop string is held back, so a stream never shows a stop string, nor a
+piece of one that later completes. The reply stops at the first stop string to end in it (the
+longest of those ending at one character), however its text was cut into tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from engine.serving.stop_strings import stop_automaton
 
 REPLACEMENT_CHAR = "\ufffd"
 # A UTF-8 character has at most 4 bytes, so a byte-level tokenizer never needs more than 4
@@ -49,8 +54,8 @@ class IncrementalDetokenizer:
         self._pushed = 0
         self._stops_after = 0
         self._skip_special = skip_special_tokens
-        self._stop = tuple(s for s in stop if s)
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._stops = stop_automaton(stop) if any(stop) else None
+        self._state = 0  # the automaton's, after every character of _raw
         context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         # Window: ids[_anchor:] is decoded each step; ids[_anchor:_read] was decoded (and its
         # new text emitted) in earlier steps and spans _anchor_chars characters.
@@ -103,40 +108,23 @@ class IncrementalDetokenizer:
     def _append(self, piece: str) -> str:
         start = len(self._raw)
         self._raw += piece
-        if not self._stop:
+        if self._stops is None:
             return self._take(len(self._raw))
         if self._pushed <= self._min_tokens:
             self._stops_after = len(self._raw)
-            return self._take(len(self._raw) - self._held_back())
-        hit = self._find_stop(start)
-        if hit is not None:
-            if self._include_stop:
-                assert self.stop_string is not None
-                hit += len(self.stop_string)
-            self._raw = self._raw[:hit]
-            self.stopped = True
-            return self._take(hit)
-        return self._take(len(self._raw) - self._held_back())
-
-    def _find_stop(self, new_from: int) -> int | None:
-        """Start of the earliest stop string that overlaps text from ``new_from`` on."""
-        search_from = max(0, new_from - self._max_stop_len + 1)
-        best: int | None = None
-        for stop in self._stop:
-            at = self._raw.find(stop, max(search_from, self._stops_after - len(stop) + 1))
-            if at >= 0 and (best is None or at < best):
-                best = at
-                self.stop_string = stop
-        return best
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        tail_limit = min(len(self._raw), self._max_stop_len - 1)
-        for size in range(tail_limit, 0, -1):
-            tail = self._raw[-size:]
-            if any(stop.startswith(tail) for stop in self._stop):
-                return size
-        return 0
+        # A stop string counts where it ends past the first _stops_after characters.
+        self._state, end, length = self._stops.feed(
+            self._state, piece, self._stops_after - start
+        )
+        if end < 0:
+            return self._take(len(self._raw) - self._stops.held(self._state))
+        hit = start + end - length
+        self.stop_string = self._raw[hit : start + end]
+        if self._include_stop:
+            hit += length
+        self._raw = self._raw[:hit]
+        self.stopped = True
+        return self._take(hit)
 
     def _take(self, upto: int) -> str:
         upto = max(upto, self._visible)

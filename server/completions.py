@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -49,6 +49,9 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         structure=protocol.structured_outputs(req),
         prompt_logprobs=max(scored) if scored else None,
     )
+    if scored:  # a prompt's scores are the same for each choice: its first computes them
+        params = params[:1] + [msgspec.structs.replace(p, prompt_logprobs=None)
+                               for p in params[1:]]
     echo = [
         _echo_text(state, p, ids, len(ids) == len(full)) if req.echo else ""
         for p, ids, full in zip(prompts, token_ids, encoded)
@@ -62,11 +65,13 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         return Response(status_code=499)  # nobody is there to read it
     if asked == 0:
         outputs = [_without_generated(out) for out in outputs]
+    scores = {c.prompt: out.prompt_logprobs for c, out in zip(choices, outputs)
+              if out.prompt_logprobs is not None}
     items = []
     for choice, out in zip(choices, outputs):
         ids = token_ids[choice.prompt]
         item, offset = _prompt_item(state, req, choice, echo[choice.prompt], ids,
-                                    out.prompt_logprobs)
+                                    scores.get(choice.prompt))
         prompt_part = item
         item = _item(state, req, choice, item["text"] + out.text, out.token_ids,
                      out.logprobs or [], offset, out.finish_reason, item["logprobs"])[0]
@@ -187,33 +192,50 @@ async def _stream(
     outputs: dict[int, RequestOutput] = {}
     scores_echo = _echo_scores(req) is not None
     score_only = req.max_tokens == 0
+    scores: dict[int, list[TokenLogprob | None]] = {}  # prompt -> its scores, once they came
+    held: dict[int, list[Update]] = {}  # prompt -> its other choices' updates until then
+
+    def emit(u: Update) -> Iterator[bytes]:
+        if scores_echo and u.choice.index not in started:  # echo first
+            item, offsets[u.choice.index] = _prompt_item(
+                state, req, u.choice, echo[u.choice.prompt], prompt_ids[u.choice.prompt],
+                scores[u.choice.prompt],
+            )
+            item["finish_reason"] = None
+            if req.return_token_ids:
+                item["token_ids"] = []
+                item["prompt_token_ids"] = prompt_ids[u.choice.prompt]
+            started.add(u.choice.index)
+            yield sse(envelope(state, rid, "text_completion", created, [item], per_chunk))
+        output = u.output
+        if score_only:
+            if output is None:
+                return
+            output = _without_generated(output)
+            u = Update(u.choice, "", [], [], output)
+        reason = None if output is None else output.finish_reason
+        yield chunk(u.choice, u.text, u.token_ids, u.logprobs, reason)
+        if output is not None:
+            outputs[u.choice.index] = output
+
     try:
         if req.echo and not scores_echo:
             for choice in choices:
                 yield chunk(choice, echo[choice.prompt], [], [], None)
                 offsets[choice.index] = len(echo[choice.prompt])
-        async for u in updates(state, choices):
-            if scores_echo and u.prompt_logprobs is not None:  # its first update: echo first
-                item, offsets[u.choice.index] = _prompt_item(
-                    state, req, u.choice, echo[u.choice.prompt], prompt_ids[u.choice.prompt],
-                    u.prompt_logprobs,
-                )
-                item["finish_reason"] = None
-                if req.return_token_ids:
-                    item["token_ids"] = []
-                    item["prompt_token_ids"] = prompt_ids[u.choice.prompt]
-                started.add(u.choice.index)
-                yield sse(envelope(state, rid, "text_completion", created, [item], per_chunk))
-            output = u.output
-            if score_only:
-                if output is None:
+        async for got in updates(state, choices):
+            ready = [got]
+            if scores_echo:  # a prompt's first choice scores it (its first update brings them)
+                p = got.choice.prompt
+                if got.prompt_logprobs is not None:
+                    scores[p] = got.prompt_logprobs
+                if p not in scores:
+                    held.setdefault(p, []).append(got)
                     continue
-                output = _without_generated(output)
-                u = Update(u.choice, "", [], [], output)
-            reason = None if output is None else output.finish_reason
-            yield chunk(u.choice, u.text, u.token_ids, u.logprobs, reason)
-            if output is not None:
-                outputs[u.choice.index] = output
+                ready = held.pop(p, []) + ready
+            for u in ready:
+                for data in emit(u):
+                    yield data
         if with_usage:
             usage = usage_of(_by_prompt([outputs[c.index] for c in choices], req.n))
             yield sse(envelope(state, rid, "text_completion", created, [], usage))

@@ -305,6 +305,30 @@ def test_streamed_echo_with_logprobs_joins_to_the_whole_reply(client: openai.Ope
     assert offsets == whole.logprobs.text_offset
 
 
+def test_n_choices_of_an_echoed_scored_prompt_compute_it_once(
+    client: openai.OpenAI, server_url: str
+) -> None:
+    """A prompt's scores are the same for every choice: its first choice computes them and
+    each choice shows them, whole or streamed (n=16 on 501 tokens took 16 scored prefills)."""
+    prompt = "Count these words: " + " ".join(f"w{i}" for i in range(60))  # nothing cached
+    args = dict(model=MODEL, prompt=prompt, n=4, max_tokens=2, temperature=0, logprobs=1,
+                echo=True)
+    before = metric(server_url, "radixkv:prefill_computed_tokens_total")
+    reply = client.completions.create(**args)
+    computed = metric(server_url, "radixkv:prefill_computed_tokens_total") - before
+    size = reply.usage.prompt_tokens
+    assert computed < 2 * size  # one scored prefill, then the cached prompt's last page
+    echoed = [c.logprobs.token_logprobs[:size] for c in reply.choices]
+    assert echoed[0][0] is None and len(echoed[0]) == size and echoed.count(echoed[0]) == 4
+    firsts: dict[int, Any] = {}
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c)
+    assert sorted(firsts) == [0, 1, 2, 3]
+    for c in firsts.values():
+        assert c.text == prompt and c.logprobs.token_logprobs == echoed[0]
+
+
 def test_vllm_prompt_logprobs_on_both_endpoints(client: openai.OpenAI, local: Engine) -> None:
     prompt = "Hello there, how are you"
     reply = client.completions.create(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.client import EngineClient, PromptIds
     from engine.config import EngineConfig
+    from engine.model.cpu.machine import cache_root
     from engine.model.kv_pool import KVPool
     from engine.model.loader import (
         LoadedModel,
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
         load_hf_reference,
         load_model,
     )
-    from engine.model.machine import cache_root
     from engine.model.sampler import TokenLogprob
     from engine.serving.chat import ChatSession, continue_tokens
     from engine.serving.cli import build_parser, engine_options, run_command
@@ -102,7 +102,7 @@ _HOMES = {
     "bundled_gguf_path": "engine.model.loader",
     "checkpoint_dir": "engine.model.loader",
     "KVPool": "engine.model.kv_pool",
-    "cache_root": "engine.model.machine",
+    "cache_root": "engine.model.cpu.machine",
 }
 
 __all__ = [

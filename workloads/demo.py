@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> list[DemoRow]:
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for prefill (0: the machine's cores); decode steps run "
-                        "on one thread either way (see engine/model/threads.py)")
+                        "on one thread either way (see engine/model/cpu/threads.py)")
     args = p.parse_args(argv)
 
     started = time.perf_counter()

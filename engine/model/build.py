@@ -13,13 +13,13 @@ import warnings
 import torch
 
 from engine.config import EngineConfig
+from engine.model.cpu.machine import available_memory_bytes, machine_memory_bytes
+from engine.model.cpu.probe import probe
+from engine.model.cpu.threads import ThreadPolicy
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
-from engine.model.machine import available_memory_bytes, machine_memory_bytes
-from engine.model.probe import probe
 from engine.model.runner import ModelRunner
 from engine.model.structured import Grammars
-from engine.model.threads import ThreadPolicy
 
 # Default KV budget on the CPU: 1 GiB (about 23k tokens of SmolLM2-135M in float32), or an
 # eighth of the machine's memory when that is smaller. On CUDA: a share of the free memory
@@ -106,7 +106,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def verified_invariant(loaded: LoadedModel, asked: bool, runner: ModelRunner) -> bool:
     """Whether this machine's forward is verified batch-invariant: on the CPU by the dtype
-    probe (``engine.model.probe``), on CUDA by checking ``runner`` itself at start
+    probe (``engine.model.cpu.probe``), on CUDA by checking ``runner`` itself at start
     (``engine.model.cuda.device_check``); warns when it was asked for and not verified."""
     if not asked:
         return False

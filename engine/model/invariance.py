@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.cpu.threads import ThreadPolicy
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
-from engine.model.threads import ThreadPolicy
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request

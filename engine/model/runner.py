@@ -10,16 +10,16 @@ import torch
 
 from engine.model.attention import create_backend
 from engine.model.attention.base import AttentionBackend
+from engine.model.cpu.products import load_products
+from engine.model.cpu.threads import ThreadPolicy
 from engine.model.cuda.flashinfer_backend import FlashInferBackend
 from engine.model.cuda.graphs import DecodeGraphs
 from engine.model.cuda.step_buffers import StepBuffers
 from engine.model.forward_batch import ForwardBatch, StepIndex
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
-from engine.model.products import load_products
 from engine.model.sampler import Sampler, TokenLogprob, token_logprobs
 from engine.model.structured import Grammars
-from engine.model.threads import ThreadPolicy
 from scheduler.batch import Batch, BatchEntry, slots_for
 
 # Prompt rows scored at once: bounds the log-softmax's memory (rows x vocabulary floats).
@@ -42,12 +42,12 @@ class StepResult:
 class ModelRunner:
     """Runs ``loaded.model`` over a scheduler ``Batch`` with K/V in ``pool`` and samples.
 
-    On the CPU the model's matrix products are our own (``engine.model.products``), packed
+    On the CPU the model's matrix products are our own (``engine.model.cpu.products``), packed
     once per model; with a ``threads`` policy each pass sets torch's intra-op threads for its
     size and our products split their columns over all ``threads.max_threads`` (one call per
     product, so no thread team per small op). With ``batch_invariant`` attention is the exact
     kernel too (``engine.model.attention.native``): every pass is then batch-invariant by
-    construction, which the dtype probe verifies on each machine (``engine.model.probe``).
+    construction, which the dtype probe verifies on each machine (``engine.model.cpu.probe``).
 
     Batches come from the scheduler, whose requests were validated at the engine's boundary,
     so nothing is re-checked per step (such checks read tensors back to the host, which

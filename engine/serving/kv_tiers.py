@@ -54,8 +54,8 @@ def store_meta(loaded: LoadedModel, pool: KVPool) -> dict[str, Any]:
     """What a page's KV depends on besides its tokens (the disk store's key is its hash)."""
     machine = loaded.device.type
     if loaded.device.type == "cpu":
-        from engine.model.machine import machine_key
-        from engine.model.probe import kernels_key
+        from engine.model.cpu.machine import machine_key
+        from engine.model.cpu.probe import kernels_key
 
         # the kernels that computed the KV: the machine and the kernels' sources
         machine = f"cpu-{machine_key()}-{kernels_key()}-{loaded.model.products or 'torch'}"

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.model.malloc_tuning import keep_freed_memory
+from engine.model.cpu.malloc_tuning import keep_freed_memory
+from engine.model.cpu.threads import release_openmp_team
 from engine.model.runner import ModelRunner
 from engine.model.sampler import TokenLogprob
 from engine.model.structured import GrammarError
-from engine.model.threads import release_openmp_team
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.errors import EngineDeadError
 from engine.serving.handle import Delta, Done, Event, Failed, RequestHandle

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.model.attention import native
-from engine.model.products import NONE, RMSNORM, SILU_MUL, load_products
+from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, load_products
 
 CPU = torch.device("cpu")
 

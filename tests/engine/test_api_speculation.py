@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineStats, SamplingParams
-from engine.model.probe import probe
+from engine.model.cpu.probe import probe
 
 PASSAGE = (
     "Radix trees store the prefixes of token sequences once and share them between requests "

@@ -11,10 +11,10 @@ import torch
 from engine_helpers import CHAT_PROMPTS, assert_idle_accounting, greedy, user
 
 from engine import Engine, SamplingParams
+from engine.model.cpu.probe import probe
+from engine.model.cpu.threads import ThreadPolicy
 from engine.model.kv_pool import KVPool
-from engine.model.probe import probe
 from engine.model.runner import ModelRunner
-from engine.model.threads import ThreadPolicy
 from scheduler.batch import Batch
 from scheduler.request import Request
 

@@ -13,12 +13,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from engine.model import native_build
 from engine.model.attention import native
-from engine.model.machine import cpu_flags
-from engine.model.products import NONE, RMSNORM, SILU_MUL, PackedWeight
-from engine.model.products import SELF_TEST as PRODUCTS_SELF_TEST
-from engine.model.products import SOURCE as PRODUCTS
+from engine.model.cpu import native_build
+from engine.model.cpu.machine import cpu_flags
+from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, PackedWeight
+from engine.model.cpu.products import SELF_TEST as PRODUCTS_SELF_TEST
+from engine.model.cpu.products import SOURCE as PRODUCTS
 
 FLAGS = cpu_flags()  # empty where /proc/cpuinfo has none
 # x86-64-v3 needs these to run; x86-64 runs on any x86-64 CPU
@@ -48,7 +48,7 @@ def _build(source_kind: str, march: str) -> ModuleType:
 
 @pytest.fixture(scope="module")
 def products() -> dict[str, ModuleType]:
-    from engine.model.products import load_products
+    from engine.model.cpu.products import load_products
 
     native_kernel = load_products()
     assert native_kernel is not None

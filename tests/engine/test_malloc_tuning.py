@@ -1,4 +1,4 @@
-"""glibc keeps the memory a pass frees (``engine.model.malloc_tuning``)."""
+"""glibc keeps the memory a pass frees (``engine.model.cpu.malloc_tuning``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from engine.model import malloc_tuning
+from engine.model.cpu import malloc_tuning
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 # Elsewhere the tuning is never applied, so there is nothing for these tests to tell apart.
@@ -22,7 +22,7 @@ needs_glibc = pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 PROBE = textwrap.dedent(
     """
     import ctypes
-    from engine.model.malloc_tuning import keep_freed_memory
+    from engine.model.cpu.malloc_tuning import keep_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (

@@ -9,9 +9,9 @@ from types import ModuleType
 
 import pytest
 
-from engine.model import native_build
 from engine.model.attention import native
-from engine.model.products import SOURCE as PRODUCTS
+from engine.model.cpu import native_build
+from engine.model.cpu.products import SOURCE as PRODUCTS
 
 
 def test_a_build_for_another_cpu_or_source_is_never_loaded(
@@ -21,7 +21,7 @@ def test_a_build_for_another_cpu_or_source_is_never_loaded(
     key = native_build.fingerprint(PRODUCTS)
     assert key == native_build.fingerprint(PRODUCTS)
     assert key != native_build.fingerprint(native.SOURCE)
-    import engine.model.machine as machine
+    import engine.model.cpu.machine as machine
 
     monkeypatch.setattr(machine, "cpu_info", lambda: ("another CPU", ("fpu", "sse2")))
     other_cpu = native_build.fingerprint(PRODUCTS)
@@ -122,7 +122,7 @@ def test_a_build_that_accepts_a_bad_argument_is_not_used(cache_with_the_build: P
 def test_the_kernels_pass_their_self_tests_here_and_keep_the_verdict() -> None:
     """This machine's builds raise RuntimeError for a bad slot, page id and weight (in a
     child, then in this process), and the verdict sits beside each build."""
-    from engine.model.products import load_products, rejects_a_weight_that_does_not_fit
+    from engine.model.cpu.products import load_products, rejects_a_weight_that_does_not_fit
 
     kernel, products = native.load_kernel(), load_products()
     assert kernel is not None and products is not None

@@ -10,9 +10,17 @@ import pytest
 import torch
 
 from engine.model import invariance
+from engine.model.cpu.probe import (
+    DTYPES,
+    DtypeReport,
+    ProbeResult,
+    choose,
+    describe,
+    probe,
+    run_child,
+)
+from engine.model.cpu.products import PackedWeight
 from engine.model.loader import resolve_dtype
-from engine.model.probe import DTYPES, DtypeReport, ProbeResult, choose, describe, probe, run_child
-from engine.model.products import PackedWeight
 
 SIGILL_CHILD = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
 
@@ -41,7 +49,7 @@ def test_a_verdict_reached_without_the_native_kernels_is_not_remembered(
 ) -> None:
     """A kernel that failed to load once (a broken build, a failed self-test) must not leave
     a not-invariant verdict under its sources' key for every later engine."""
-    from engine.model import probe as probe_module
+    from engine.model.cpu import probe as probe_module
 
     def torch_fallback(dtype: str, limit: float | None) -> DtypeReport | None:
         return DtypeReport(0.1, 1.0, False, 0.0, ("chunked, 1 threads",))

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
+from engine.model.cpu.threads import PARALLEL_MIN_TOKENS, ThreadPolicy, release_openmp_team
 from engine.model.kv_pool import KVPool
 from engine.model.runner import ModelRunner
-from engine.model.threads import PARALLEL_MIN_TOKENS, ThreadPolicy, release_openmp_team
 from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
@@ -53,7 +53,7 @@ def test_default_policy_keeps_the_starting_thread_count_after_a_decode_step_lowe
 ) -> None:
     """A decode step sets torch's threads to one; an engine made after it must not inherit
     that as its "default" (it would then run every product and attention on one core)."""
-    from engine.model import threads as threads_module
+    from engine.model.cpu import threads as threads_module
 
     before = torch.get_num_threads()
     try:

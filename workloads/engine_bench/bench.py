@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     # The engines take this many threads for prefill (and one for decode steps, see
-    # engine.model.threads); transformers' baseline runs with all of them.
+    # engine.model.cpu.threads); transformers' baseline runs with all of them.
     args.torch_threads = torch.get_num_threads()
 
     loaded = load_model(args.model, args.device, args.dtype)

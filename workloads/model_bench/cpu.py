@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from engine import KVPool, load_hf_reference, load_model
-from engine.model.malloc_tuning import keep_freed_memory
-from engine.model.products import PackedWeight, load_products
+from engine.model.cpu.malloc_tuning import keep_freed_memory
+from engine.model.cpu.products import PackedWeight, load_products
+from engine.model.cpu.threads import ThreadPolicy
 from engine.model.runner import ModelRunner
-from engine.model.threads import ThreadPolicy
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request

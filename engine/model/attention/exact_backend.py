@@ -4,7 +4,7 @@ A query's output never depends on the batch, the cache or the page size: each qu
 computed by one fixed sequence of instructions over its own keys, whatever shares the call
 (``csrc/exact_attention.cpp``). Where the kernel cannot be built the engine runs the fast
 backend, and the dtype probe's check on the real forward reports that passes are then not
-verified invariant (``engine.model.probe``).
+verified invariant (``engine.model.cpu.probe``).
 """
 
 from __future__ import annotations

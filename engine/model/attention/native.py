@@ -4,7 +4,7 @@ The torch version (``engine.model.attention.exact``) gets its invariance from me
 and fixed 64-key blocks of BLAS products, at the price of many small ops per layer. The native
 kernel gets it by construction: each query row is computed by one fixed sequence of
 instructions over its own keys, whatever shares the call (see the source's header). It is
-compiled on first use for this machine (``engine.model.native_build``); when it cannot be
+compiled on first use for this machine (``engine.model.cpu.native_build``); when it cannot be
 built, or fails its self-test (a bad slot or page id must be a RuntimeError here), the engine
 keeps the torch version and says so once.
 """
@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from engine.model.native_build import expect_rejection, load_native
+from engine.model.cpu.native_build import expect_rejection, load_native
 
 SOURCE = Path(__file__).parent / "csrc" / "exact_attention.cpp"
 # Prefill queries of one request are attended in items of this many tokens; decode queries

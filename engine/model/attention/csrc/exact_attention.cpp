@@ -18,7 +18,7 @@
 // additions a whole unit makes as it goes.
 // Every argument (the pool, the plan's page ids, lengths, positions and order, the slots) is
 // checked on the calling thread before the parallel region, so its threads index only what was
-// checked; a bad call is a RuntimeError (see ../../csrc/guard.h).
+// checked; a bad call is a RuntimeError (see ../../cpu/csrc/guard.h).
 // Built per machine with -march=native and -ffp-contract=off (contractions are explicit).
 
 #include <torch/extension.h>
@@ -36,7 +36,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../../csrc/guard.h"
+#include "../../cpu/csrc/guard.h"
 
 namespace {
 

@@ -18,11 +18,11 @@ from types import ModuleType
 
 import torch
 
-from engine.model.native_build import expect_rejection, load_native
+from engine.model.cpu.native_build import expect_rejection, load_native
 
 SOURCE = Path(__file__).parent / "csrc" / "dense.cpp"
 DISABLE_ENV = "RADIXKV_NATIVE_PRODUCTS"  # "0" keeps torch's matrix products
-SELF_TEST = "engine.model.products:rejects_a_weight_that_does_not_fit"
+SELF_TEST = "engine.model.cpu.products:rejects_a_weight_that_does_not_fit"
 
 # Prologues the kernel applies to each input row before the product.
 NONE, RMSNORM, SILU_MUL = 0, 1, 2

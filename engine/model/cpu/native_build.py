@@ -40,7 +40,7 @@ from types import ModuleType
 
 import xxhash
 
-from engine.model.machine import cache_root, machine_key
+from engine.model.cpu.machine import cache_root, machine_key
 
 # -fopenmp: the kernels' parallel regions (and at::parallel_for, a header template) need it;
 # libgomp resolves to the copy torch already loaded. -ffp-contract=off: the only fused
@@ -193,10 +193,10 @@ def _resolve(spec: str) -> Callable[[ModuleType], str | None]:
 def _self_test_in_child(built: Path, spec: str) -> tuple[dict[str, object], bool]:
     """The verdict of ``spec`` on ``built`` in a fresh process, and whether it is one to keep
     (a timeout says nothing about the build)."""
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "engine.model.native_build", str(built), spec]
+    command = [sys.executable, "-m", "engine.model.cpu.native_build", str(built), spec]
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, env=env, timeout=SELF_TEST_TIMEOUT_S
@@ -251,7 +251,7 @@ def _import_built(name: str, path: Path) -> ModuleType:
 
 
 def _child(argv: list[str]) -> int:
-    """``python -m engine.model.native_build <built .so> <spec>``: runs the self-test, prints
+    """``python -m engine.model.cpu.native_build <built .so> <spec>``: runs the self-test, prints
     its verdict as one JSON line (a crash prints none: the parent reads the signal)."""
     import torch  # noqa: F401 - loads libc10 and libtorch, which the build links against
 

@@ -1,7 +1,7 @@
 """What the dtype probe's child process runs: the real model loaded in one dtype, the engine's
 forward timed at a decode and a prefill shape, and its batch invariance checked.
 
-It lives apart from ``engine.model.probe`` because it needs the whole model side (the loader,
+It lives apart from ``engine.model.cpu.probe`` because it needs the whole model side (the loader,
 the runner, the invariance check) while the loader needs the probe's verdict for its "auto"
 dtype: the probe only starts this module in a child (a faulting instruction then kills the
 child alone) and reads back the ``DtypeReport`` it prints.
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from engine.model import invariance
+from engine.model.cpu.probe import DtypeReport
 from engine.model.loader import LoadedModel, load_model
-from engine.model.probe import DtypeReport
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request

@@ -11,7 +11,7 @@ dtype out. The result is remembered per machine (CPU model, flags, cores, torch)
 of the kernels, in the user's cache directory.
 
 This module is the verdict (run the children, choose, remember); what a child runs is
-``engine.model.probe_child``, which sits above the loader that consults the verdict here.
+``engine.model.cpu.probe_child``, which sits above the loader that consults the verdict here.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import xxhash
 
 from engine.model.attention.native import SOURCE as ATTENTION
-from engine.model.machine import cache_root, machine_key
-from engine.model.products import SOURCE as PRODUCTS
+from engine.model.cpu.machine import cache_root, machine_key
+from engine.model.cpu.products import SOURCE as PRODUCTS
 
 DTYPES = ("float32", "bfloat16")
 # bf16 is chosen only when it is at least this much faster (geometric mean of both shapes).
@@ -37,10 +37,10 @@ MIN_SPEEDUP = 1.1
 PROBE_TIMEOUT_S = 300
 SLOW_FACTOR = 3.0  # a dtype this much slower than float32 at decode is not timed further
 
-# The child runs the measurement (engine.model.probe_child, which loads the model: it sits
+# The child runs the measurement (engine.model.cpu.probe_child, which loads the model: it sits
 # above the loader, which asks this module for its "auto" dtype).
 _CHILD = (
-    "import json, engine.model.probe_child as c; "
+    "import json, engine.model.cpu.probe_child as c; "
     "print(json.dumps(c.measure_in_process({dtype!r}, {limit_s!r})))"
 )
 
@@ -140,7 +140,7 @@ def kernels_key() -> str:
 def kernels_loaded() -> bool:
     """Whether both native kernels load in this process (built and self-tested)."""
     from engine.model.attention.native import load_kernel
-    from engine.model.products import load_products
+    from engine.model.cpu.products import load_products
 
     return load_products() is not None and load_kernel() is not None
 

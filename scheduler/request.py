@@ -96,11 +96,17 @@ class Request:
             not ignore_eos and token in self.eos_token_ids
         )
 
-    def finish_reason_after(self, token: int, stop_string: bool = False) -> str | None:
-        """Whether the newly generated ``token`` ends the request, and why: the one place
-        that decides it. ``stop_string``: the reply's text now contains a stop string."""
+    def end_reason(self, token: int, generated: int, stop_string: bool = False) -> str | None:
+        """Whether ``token``, the ``generated``-th output token, ends the request, and why:
+        the one rule, read by the engine loop (which tokens of a step reach the reply) and by
+        ``Scheduler.commit`` (which ends the request). ``stop_string``: the reply's text with
+        it holds a stop string."""
         if stop_string or self.is_stop_token(token):
             return "stop"
-        if len(self.output) >= self.params.max_new_tokens:
+        if generated >= self.params.max_new_tokens:
             return "length"
         return None
+
+    def finish_reason_after(self, token: int, stop_string: bool = False) -> str | None:
+        """``end_reason`` of the token just appended to ``output``."""
+        return self.end_reason(token, len(self.output), stop_string)

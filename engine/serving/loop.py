@@ -341,23 +341,21 @@ class EngineLoop:
         job: Job, tokens: list[int], logprobs: list[TokenLogprob], now: float
     ) -> tuple[int, str]:
         """Feed a step's tokens for one request to its detokeniser, up to the first that ends
-        it: a stop token, a stop string, or its ``max_new_tokens``-th (a twin catching up is
-        given its leader's tokens, which may run past its own limit). Returns how many were
-        taken and their text."""
+        it by ``Request.end_reason`` (a twin catching up is given its leader's tokens,
+        which may run past its own limit). Returns how many were taken and their text."""
         request = job.request
         text = []
         taken = 0
-        room = request.max_new_tokens - len(request.output)
-        for index, token in enumerate(tokens[:room]):
+        for index, token in enumerate(tokens):
             taken += 1
             job.token_times.append(now)
             job.unsent += 1
             if index < len(logprobs):
                 job.logprobs.append(logprobs[index])
-            if request.is_stop_token(token):
-                break
-            text.append(job.detokenizer.push(token))
-            if job.detokenizer.stopped:
+            if not request.is_stop_token(token):  # a stop token's text is not in the reply
+                text.append(job.detokenizer.push(token))
+            generated = len(request.output) + taken
+            if request.end_reason(token, generated, job.detokenizer.stopped) is not None:
                 break
         return taken, "".join(text)
 

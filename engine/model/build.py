@@ -133,7 +133,8 @@ def verified_invariant(loaded: LoadedModel, asked: bool, runner: ModelRunner) ->
 
 
 def warn_if_slow_dtype(device: torch.device, dtype: torch.dtype) -> None:
-    """float16 on a CPU has no fast kernels in torch (~5x slower than float32 here): say so."""
+    """float16 on a CPU has no fast kernels in torch (several times slower than float32):
+    say so."""
     if device.type == "cpu" and dtype == torch.float16:
         warnings.warn(
             "dtype: float16 on the CPU runs several times slower than float32 (torch has no "

@@ -48,7 +48,7 @@ class Dense(nn.Module):
     """A linear layer. On the CPU it runs our batch-invariant product over a packed copy of the
     weight (``packed``, set by ``LlamaModel.use_native_products``), float32 in and out; without
     it, torch's product over the weight kept transposed, ``[in, out]``: the layout the CPU BLAS
-    prefers (a decode step's products ran 1.2x faster than with nn.Linear's ``[out, in]``).
+    prefers for a decode step's products (``workloads.model_bench`` compares them).
     Weights load from transformers' ``[out, in]`` tensors with ``load``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

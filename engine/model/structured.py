@@ -115,7 +115,8 @@ class Grammars:
         them bans that token, so no draft past it is accepted and their samples are dropped.
         The rows' masks are computed together by llguidance's thread pool (the GIL released),
         into one bitmask unpacked with numpy; computing them on a thread beside the forward
-        pass was measured no faster on 2 cores (README: structured outputs)."""
+        pass was no faster on 2 cores (``python -m workloads.model_bench.sampling_overhead``;
+        docs/benchmarks.md)."""
         jobs: list[tuple[Any, int, list[int]]] = []
         rows: list[int] = []
         for request, draft, first in spans:

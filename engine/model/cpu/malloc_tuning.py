@@ -6,10 +6,10 @@ mapped and unmapped per allocation, and freed memory above the *trim* threshold 
 thread's heap is handed back to the kernel (``madvise``). Either way the next pass writes into
 fresh pages, and every first write of a 4 KiB page is a fault the kernel serves by zeroing it.
 Where the thresholds land depends on what the process freed first, so the same server ran at
-two speeds from one start to the next: measured on the 2-core Zen 5 machine, a burst of 32 RAG
-requests took 4.2-5.6 s against 3.8-4.0 s, with a quarter of the samples in the kernel's page
-fault and ``madvise`` paths. Fixing both thresholds (which also stops glibc adapting them) keeps
-the freed buffers in the heap: every start runs at the fast speed.
+two speeds from one start to the next, the slow starts spending a large share of their time in
+the kernel's page-fault and ``madvise`` paths (``python -m workloads.serve_bench`` shows the
+spread across starts). Fixing both thresholds (which also stops glibc adapting them) keeps the
+freed buffers in the heap: every start runs at the fast speed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Which dtype is fastest on this CPU, and whether the engine's forward is invariant in it.
 
-Machines differ: bf16 ran ~3x faster than fp32 on an AMD EPYC with AVX-512 BF16, ~70x slower
-in torch on one without it, and killed the process with SIGILL on an Intel Xeon whose
-advertised AMX faults; a vendor BLAS that passed a probe of plain products broke the model's
-invariance at shapes the probe never tried. So the engine measures instead of guessing: a
+Machines differ: bf16 is several times faster than fp32 on a CPU with AVX-512 BF16, many
+times slower in torch on one without it, and killed the process with SIGILL on an Intel Xeon
+whose advertised AMX faults; a vendor BLAS that passed a probe of plain products broke the
+model's invariance at shapes the probe never tried (figures: docs/benchmarks.md). So the engine measures instead of guessing: a
 child process per dtype loads the real model, times the engine's own forward at a decode and a
 prefill shape, and checks that forward for batch invariance (``engine.model.invariance``). A
 crash, a timeout, a forward that is not invariant, or one too far from float32 rules that

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-# Batches of at least this many tokens run on every thread. Measured on the 2-core machine:
-# a 1,024 x 576 x 1,536 matrix product runs 2.0x faster on two threads, but a decode step is a
-# few thousand small ops, and synchronising a thread team per op made a decode-heavy chat
-# workload 1.8x slower on two threads than on one.
+# Batches of at least this many tokens run on every thread: a prefill-sized product gains
+# from a thread team, but a decode step is a few thousand small ops, and synchronising a team
+# per op costs more than it splits (``python -m workloads.model_bench --threads N`` measures
+# both sides; docs/benchmarks.md has the figures).
 PARALLEL_MIN_TOKENS = 128
 # torch's thread count as the process started (its default: the machine's cores), read before
 # any pass lowers it: a policy made after a decode step would otherwise get that step's one.
@@ -74,14 +74,13 @@ def _openmp_runtime() -> ctypes.CDLL | None:
 def release_openmp_team() -> bool:
     """Free the calling thread's idle OpenMP worker threads; True if they were.
 
-    Each thread that opens a parallel region keeps its own team of workers. Measured on the
-    2-core Zen 5 machine: once the caller's thread (which loaded the model) and the engine loop
-    both held a team, libgomp counted more threads than cores and let its workers spin only
-    briefly before sleeping, so every one of a step's ~120 small parallel regions waited for a
-    worker to wake: a decode pass took 11.6 ms on the loop thread against 6.8 ms on the caller's
-    (15.5 against 9.8 ms at 8 requests), and the same on the loop thread once the caller's
-    team was freed. The engine frees the constructing thread's team, and the loop frees its own
-    whenever it goes idle (several engines in one process: only the busy ones hold teams). A
-    later region on the thread builds a new team (once, about 0.1 ms)."""
+    Each thread that opens a parallel region keeps its own team of workers. Once the caller's
+    thread (which loaded the model) and the engine loop both hold a team, libgomp counts more
+    threads than cores and lets its workers spin only briefly before sleeping, so every small
+    parallel region of a step waits for a worker to wake (a decode pass on the loop thread ran
+    far slower than the same pass on the caller's: ``workloads.model_bench`` shows it). The
+    engine frees the constructing thread's team, and the loop frees its own whenever it goes
+    idle (several engines in one process: only the busy ones hold teams). A later region on
+    the thread builds a new team, once."""
     lib = _openmp_runtime()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0

@@ -1,9 +1,9 @@
 """When attending a shared prefix once (cascade) beats attending it once per request.
 
-The first GPU run (2026-11-26, H200) found the cascade slower than plain decode at every batch
-size: it saves KV reads, but per layer it adds a shared call, the gather of its queries and a
-merge per level with its scatters, each a kernel launch on a host-bound step, and its shared
-call has few work units (a handful of query rows per KV head) where plain decode spreads the
+On a GPU the cascade was found slower than plain decode at every batch size measured
+(docs/gpu.md): it saves KV reads, but per layer it adds a shared call, the gather of its
+queries and a merge per level with its scatters, each a kernel launch on a host-bound step,
+and its shared call has few work units (a handful of query rows per KV head) where plain decode spreads the
 same bytes over every SM. So the cascade is taken only where an estimate says it wins by a
 margin: bytes over bandwidth at the occupancy each call reaches, plus the launches it adds.
 A pure function of the pass's shape and a few device figures (``CascadeCosts``), measured

@@ -1,8 +1,9 @@
 """Decode steps replayed from CUDA graphs: the host launches one graph, not ~500 kernels.
 
-An eager decode step of a 1B model spent 8.2 ms on the host for 1.65 ms of GPU work (H200,
-2026-11-26). Here a decode pass of ``n`` requests runs as the graph captured for the smallest
-bucket ``B >= n`` (1, 2, 4, 8, then every 8 up to ``max_batch``):
+Eager, a decode step of a small model is bound by the host launching its kernels, not by the
+GPU (the first GPU run's profile: docs/gpu.md). Here a decode pass of ``n`` requests runs as
+the graph captured for the smallest bucket ``B >= n`` (1, 2, 4, 8, then every 8 up to
+``max_batch``):
 
 - every tensor the captured kernels read lives at a fixed address: the pass's integers in one
   fixed-layout ``StepBuffers`` (filled by one host-to-device copy per step), FlashInfer's

@@ -53,6 +53,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # sampling) compute their rows once (scheduler/twins.py). Exact only where a row does not
     # depend on its pass: the engine turns it off where passes are not batch-invariant.
     share_rows: bool = True
+    # Priority (``SamplingParams.priority``, lower first): a waiting priority level gains one
+    # step of priority per this many scheduler steps its oldest request waited (0: never), so
+    # a low priority is delayed, never starved.
+    priority_aging_steps: int = 256
 
     def __post_init__(self) -> None:
         _positive_int("page_size", self.page_size)
@@ -66,6 +70,14 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache: must be a bool, got {self.prefix_cache!r}")
+        if (
+            not isinstance(self.priority_aging_steps, int)
+            or isinstance(self.priority_aging_steps, bool)
+            or self.priority_aging_steps < 0
+        ):
+            raise ValueError(
+                f"priority_aging_steps: must be an int >= 0, got {self.priority_aging_steps!r}"
+            )
         if not isinstance(self.share_rows, bool):
             raise ValueError(f"share_rows: must be a bool, got {self.share_rows!r}")
         if self.speculation not in SPECULATION:

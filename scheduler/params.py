@@ -22,6 +22,7 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+PRIORITY_LIMIT = 1 << 31
 
 
 class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,6 +110,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # The output must match this (a JSON schema, a regex, ...): every step's logits are
     # masked to the tokens it allows, and EOS only where it is complete.
     structured_outputs: StructuredOutputsParams | None = None
+    # Lower runs first (vLLM's meaning): admission by priority, then the queue's own order;
+    # preemption takes the worst priority first. Waiting ages it (``priority_aging_steps``).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # vLLM's spellings: one stop string as a str, top_k -1 for off.
@@ -186,6 +190,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 f"{self.repetition_penalty!r}"
             )
         self._check_logit_bias()
+        if not _is_int(self.priority) or not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
+            raise ValueError(
+                f"priority: must be an integer in [-2**31, 2**31), got {self.priority!r}"
+            )
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
             raise ValueError(

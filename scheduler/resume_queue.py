@@ -1,4 +1,5 @@
-"""Preempted requests, oldest arrival first: admitted before anything new, head of line."""
+"""Preempted requests, best priority then oldest arrival first: admitted before anything new,
+head of line."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from scheduler.request import Request
 
 
 class ResumeQueue:
-    """Requests sorted by ``arrival`` (one list; ``bisect`` by arrival)."""
+    """Requests sorted by (``params.priority``, ``arrival``) (one list, ``bisect``)."""
 
     def __init__(self) -> None:
         self._requests: list[Request] = []
 
     def push(self, request: Request) -> None:
-        bisect.insort(self._requests, request, key=lambda r: r.arrival)
+        bisect.insort(self._requests, request, key=lambda r: (r.params.priority, r.arrival))
 
     def head(self) -> Request:
         return self._requests[0]

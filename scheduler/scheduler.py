@@ -28,6 +28,7 @@ from scheduler.grouping import PrefillClaims
 from scheduler.matching import MatchIndex, matchable_length, root_anchor
 from scheduler.params import SamplingParams
 from scheduler.policy import make_queue
+from scheduler.priority import PriorityLevels
 from scheduler.request import Request, RequestState
 from scheduler.resume_queue import ResumeQueue
 from scheduler.shared_rows import SharedRows
@@ -57,7 +58,9 @@ class Scheduler:
         self._kv = kv
         self._config = config
         self._page_size = config.page_size
-        self._queue = make_queue(config.policy, config.page_size)
+        self._queue = PriorityLevels(
+            lambda: make_queue(config.policy, config.page_size), config.priority_aging_steps
+        )
         self._matches = MatchIndex(kv)
         self._resume = ResumeQueue()  # preempted requests, oldest arrival first
         self._running: dict[Request, None] = {}  # admission order: the last is the newest
@@ -168,6 +171,7 @@ class Scheduler:
         if not self.has_work:
             return None
         cfg = self._config
+        self._queue.advance()
         self._preemption_boost = max(0.0, self._preemption_boost - cfg.reserve_decay)
         for request in self._matches.refresh():
             self._queue.update(request, self._matches.get(request).length)
@@ -323,7 +327,7 @@ class Scheduler:
             room = len(kv.pages) + self._kv.available
             n = max(1, min(n, room * p - start))
         while not self._kv.allocate(kv, start + n):
-            victim = next(reversed(self._running))
+            victim = self._preemption_victim()
             self._preempt(victim, plan)
             if victim is request:
                 return
@@ -454,6 +458,12 @@ class Scheduler:
         self._counters.preemptions += 1
         self._preemption_boost = 1.0
         self._resume.push(request)
+
+    def _preemption_victim(self) -> Request:
+        """The running request to preempt: the worst priority (the largest number), the
+        newest admitted among those."""
+        worst = max(r.params.priority for r in self._running)
+        return next(r for r in reversed(self._running) if r.params.priority == worst)
 
     def _anchor(self, request: Request) -> Hashable:
         """Where a running request's tree part ends: its last tree page, or the root."""

@@ -59,6 +59,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             reserve_margin=0.0,
             speculation=speculation,
             num_speculative_tokens=4,
+            priority_aging_steps=3,  # priority levels reorder as they age
         )
         self.requests: list[Request] = []
         self.next_id = 0
@@ -73,6 +74,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         namespace=st.sampled_from([None, None, "tenant"]),
         by_prompt=st.booleans(),
         scores_prompt=st.sampled_from([False, False, True]),
+        priority=st.sampled_from([0, 0, 0, -1, 3]),
     )
     def add(
         self,
@@ -84,13 +86,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         namespace: str | None,
         by_prompt: bool,
         scores_prompt: bool,
+        priority: int,
     ) -> None:
         prompt = (STEMS[stem][:stem_len] if stem >= 0 else []) + suffix
         if not prompt:
             prompt = [5]
         request = Request(id=self.next_id, prompt=prompt, params=SamplingParams(
             max_new_tokens=max_new, stop_token_ids=[STOP],
-            prompt_logprobs=0 if scores_prompt else None,
+            prompt_logprobs=0 if scores_prompt else None, priority=priority,
         ), namespace=namespace)
         self.next_id += 1
         if stop_at is not None:

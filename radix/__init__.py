@@ -31,6 +31,7 @@ from radix.manager import (
     TierLoad,
 )
 from radix.node import Node, PrefixInsert, PrefixMatch
+from radix.pins import Pin
 
 __all__ = [
     "CacheHandle",
@@ -41,6 +42,7 @@ __all__ = [
     "PageStats",
     "PagesEvicted",
     "PagesStored",
+    "Pin",
     "PrefixInsert",
     "PrefixMatch",
     "RadixCache",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from radix.allocator import PageAllocator
 from radix.cache import RadixCache
 from radix.node import Node, PrefixMatch
+from radix.pins import Pin, PinTable
 from radix.tiers import EvictedPage, KVTiers, Tier, TierHit, TierStats
 from radix.tokens import TOKEN_BYTES, encode_tokens
 
@@ -90,6 +91,8 @@ class PageStats:
     evictable: int
     private: int
     evicted: int
+    pinned: int = 0  # pages kept by pins (radix/pins.py), a part of ``cached``
+    pins: int = 0
 
 
 class KVManager:
@@ -105,7 +108,12 @@ class KVManager:
         page_size: int,
         prefix_cache: bool = True,
         tiers: KVTiers | None = None,
+        max_pinned_fraction: float = 0.5,
     ) -> None:
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(
+                f"max_pinned_fraction: must be in [0, 1], got {max_pinned_fraction!r}"
+            )
         if tiers is not None and not prefix_cache:
             raise ValueError("tiers: KV tiers need prefix_cache=True (nothing would be cached)")
         self._tree = RadixCache(page_size)
@@ -115,6 +123,7 @@ class KVManager:
         self._tiers = tiers
         self._listeners: list[Callable[[KVEvent], None]] = []
         self._evicted = 0
+        self._pins = PinTable(self._tree, int(num_pages * max_pinned_fraction))
 
     # ------------------------------------------------------------------ state
 
@@ -169,6 +178,8 @@ class KVManager:
             evictable=self._tree.evictable_pages,
             private=total - free - cached,
             evicted=self._evicted,
+            pinned=self._pins.pinned_pages(),
+            pins=len(self._pins.pins),
         )
 
     def subscribe(self, listener: Callable[[KVEvent], None]) -> None:
@@ -317,6 +328,34 @@ class KVManager:
         handle.pages = []
         handle.cached_len = 0
 
+    # ------------------------------------------------------------------ pins
+
+    def pin(
+        self, tokens: Sequence[int], namespace: str | None, ttl: float, now: float
+    ) -> Pin | None:
+        """Keep the cached prefix of ``tokens`` in the pool until ``now + ttl`` (None: nothing
+        of it is cached). Past the budget (``max_pinned_fraction`` of the pool) the oldest
+        pins are released, this one too if it alone is over."""
+        if ttl <= 0:
+            raise ValueError(f"ttl: must be > 0 seconds, got {ttl!r}")
+        found = self._tree.match_prefix(tokens, namespace)
+        if found.length == 0:
+            return None
+        return self._pins.add(found.node, namespace, found.length, now + ttl)
+
+    def unpin(self, pin: Pin) -> None:
+        """End ``pin`` now (its pages become evictable; nothing if it already ended)."""
+        self._pins.drop(pin)
+
+    def expire_pins(self, now: float) -> int:
+        """Release the pins whose lifetime ended by ``now``; how many."""
+        return len(self._pins.expire(now))
+
+    @property
+    def pins_released(self) -> int:
+        """Pins ended by their lifetime or the budget so far (only grows)."""
+        return self._pins.released
+
     # ------------------------------------------------------------------ integrity
 
     def check(self, handles: Iterable[CacheHandle]) -> None:
@@ -348,7 +387,13 @@ class KVManager:
             f"!= {allocator.num_pages} pages"
         )
         if not live:
-            assert tree.protected_pages == 0, "idle with locked pages"
+            pinned = self._pins.pinned_pages()
+            assert tree.protected_pages == pinned, (
+                f"idle with {tree.protected_pages} locked pages, {pinned} of them pinned"
+            )
+        assert self._pins.pinned_pages() <= self._pins.max_pages, "pins over their budget"
+        for pin in self._pins.pins.values():
+            assert pin.active and pin.node.own_locks > 0, "pin: holds no lock on its node"
         if self._tiers is not None:
             self._tiers.check()
 

@@ -1,9 +1,11 @@
 """KVManager: every page in exactly one place, handles that follow the tree, and events that
-tell a listener exactly which pages the tree holds (a hypothesis state machine)."""
+tell a listener exactly which pages the tree holds (a hypothesis state machine, pins with
+lifetimes and a budget among its rules)."""
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
@@ -67,10 +69,12 @@ def test_allocate_evicts_unlocked_pages_and_says_so() -> None:
 
 class KVManagerMachine(RuleBasedStateMachine):
     handles = Bundle("handles")
+    pins = Bundle("pins")
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVManager(num_pages=12, page_size=PAGE)
+        self.kv = KVManager(num_pages=12, page_size=PAGE, max_pinned_fraction=0.5)
+        self.now = 0.0
         self.tokens: dict[int, list[int]] = {}  # id(handle) -> the request's tokens
         self.live: dict[int, CacheHandle] = {}
         self.tree_pages: set[int] = set()  # what the events say the tree holds
@@ -138,6 +142,35 @@ class KVManagerMachine(RuleBasedStateMachine):
         tokens = self.tokens.pop(id(handle))
         self.kv.release(handle, tokens[: len(handle.pages) * PAGE] if keep else None)
 
+    @rule(target=pins, stem=st.integers(0, len(STEMS) - 1), cut=st.integers(0, 8),
+          namespace=st.sampled_from([None, "b"]), ttl=st.sampled_from([1.0, 5.0]))
+    def pin(self, stem: int, cut: int, namespace: str | None, ttl: float) -> object:
+        tokens = STEMS[stem][:cut] or [1]
+        cached = self.kv.match(tokens, namespace)
+        found = self.kv.pin(tokens, namespace, ttl, self.now)
+        if cached.length == 0:
+            assert found is None
+        else:
+            assert found is not None and found.length == cached.length
+        return found
+
+    @rule(pin=consumes(pins))
+    def unpin(self, pin: object) -> None:
+        if pin is not None:
+            self.kv.unpin(pin)  # type: ignore[arg-type]
+            assert not pin.active  # type: ignore[attr-defined]
+
+    @rule(seconds=st.sampled_from([0.5, 2.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        self.kv.expire_pins(self.now)
+
+    @invariant()
+    def pins_keep_their_pages_within_the_budget(self) -> None:
+        stats = self.kv.stats()
+        assert stats.pinned <= 6  # half the pool
+        assert stats.pinned <= stats.cached
+
     @invariant()
     def every_page_in_one_place(self) -> None:
         self.kv.check(self.live.values())
@@ -153,9 +186,76 @@ class KVManagerMachine(RuleBasedStateMachine):
         for handle in list(self.live.values()):
             self.kv.release(handle)
         self.kv.check([])
+        self.kv.expire_pins(self.now + 10.0)
+        assert self.kv.stats().pinned == 0 and self.kv.tree.protected_pages == 0
         stats = self.kv.stats()
         assert stats.free + stats.cached == stats.total and stats.private == 0
 
 
 TestKVManagerMachine = KVManagerMachine.TestCase
 TestKVManagerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def _cached(kv: KVManager, tokens: list[int], namespace: str | None = None) -> None:
+    """Puts ``tokens`` (whole pages) in the tree as a finished request would."""
+    handle = kv.acquire(tokens, namespace)
+    assert kv.allocate(handle, len(tokens))
+    kv.release(handle, tokens)
+
+
+def test_a_pinned_prefix_survives_the_pressure_that_evicts_everything_else() -> None:
+    kv = KVManager(num_pages=8, page_size=2, max_pinned_fraction=0.5)
+    kept, other = [1, 2, 3, 4], [5, 6, 7, 8]
+    _cached(kv, kept)
+    _cached(kv, other)
+    pin = kv.pin(kept, None, ttl=60.0, now=0.0)
+    assert pin is not None and kv.stats().pinned == 2
+    flood = kv.acquire([9] * 12)
+    assert kv.allocate(flood, 12)  # takes every page it can: the unpinned ones go
+    assert kv.match(kept).length == 4 and kv.match(other).length == 0
+    assert not kv.allocate(flood, 14)  # the pinned pages are not for taking
+    kv.release(flood)
+    kv.check([])
+
+
+def test_a_pin_ends_with_its_lifetime_and_its_pages_become_evictable() -> None:
+    kv = KVManager(num_pages=8, page_size=2)
+    _cached(kv, [1, 2, 3, 4])
+    kv.pin([1, 2, 3, 4], None, ttl=5.0, now=100.0)
+    assert kv.expire_pins(104.9) == 0 and kv.stats().evictable == 0
+    assert kv.expire_pins(105.0) == 1
+    assert kv.stats().pinned == 0 and kv.stats().evictable == 2 and kv.pins_released == 1
+
+
+def test_past_the_budget_the_oldest_pins_are_released() -> None:
+    kv = KVManager(num_pages=8, page_size=2, max_pinned_fraction=0.5)  # 4 pages
+    for base in (10, 20, 30):
+        _cached(kv, [base, base + 1, base + 2, base + 3])
+    first = kv.pin([10, 11, 12, 13], None, 60.0, 0.0)
+    second = kv.pin([20, 21, 22, 23], None, 60.0, 1.0)
+    third = kv.pin([30, 31, 32, 33], None, 60.0, 2.0)
+    assert first is not None and second is not None and third is not None
+    assert not first.active and second.active and third.active
+    assert kv.stats().pinned == 4 and kv.stats().pins == 2
+    kv.check([])
+
+
+def test_a_shared_prefix_under_two_pins_counts_once() -> None:
+    kv = KVManager(num_pages=8, page_size=2)
+    _cached(kv, [1, 2, 3, 4, 5, 6])
+    _cached(kv, [1, 2, 3, 4, 7, 8])
+    kv.pin([1, 2, 3, 4, 5, 6], None, 60.0, 0.0)
+    kv.pin([1, 2, 3, 4, 7, 8], None, 60.0, 0.0)
+    assert kv.stats().pinned == 4  # the two shared pages once, plus one of each
+
+
+def test_pins_are_per_namespace_and_need_something_cached() -> None:
+    kv = KVManager(num_pages=8, page_size=2)
+    _cached(kv, [1, 2, 3, 4], namespace="a")
+    assert kv.pin([1, 2, 3, 4], "b", 60.0, 0.0) is None
+    assert kv.pin([1, 2, 3, 4], "a", 60.0, 0.0) is not None
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="ttl"):
+            kv.pin([1, 2, 3, 4], "a", bad, 0.0)
+    with pytest.raises(ValueError, match="max_pinned_fraction"):
+        KVManager(num_pages=8, page_size=2, max_pinned_fraction=1.5)

@@ -1,0 +1,82 @@
+"""Pins: cached prefixes kept in the pool for a while (a stored conversation between turns).
+
+A pin is a lock on the node where a cached prefix ends, like a running request's, with a
+lifetime. Its pages are never evicted while it lives; when it expires, is dropped, or is the
+oldest past the budget (a share of the pool), the lock goes and its pages are ordinary LRU
+leaves again: evicted in turn, and written down to the host and disk tiers on the way out
+where there are tiers. Pinned pages are the union of the pinned paths (a system prompt under
+many conversations counts once).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from radix.cache import RadixCache
+from radix.node import Node
+
+
+@dataclass(eq=False)
+class Pin:
+    """A pinned prefix: ``length`` tokens of ``namespace`` ending at ``node``, until
+    ``expires`` (the caller's clock). ``active`` turns False when it is released."""
+
+    id: int
+    namespace: str | None
+    node: Node
+    length: int
+    expires: float
+    active: bool = True
+
+
+@dataclass
+class PinTable:
+    """The live pins of one tree, oldest first, within ``max_pages`` pinned pages."""
+
+    tree: RadixCache
+    max_pages: int
+    pins: dict[int, Pin] = field(default_factory=dict)
+    released: int = 0  # pins ended by expiry or the budget (only grows)
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def add(self, node: Node, namespace: str | None, length: int, expires: float) -> Pin:
+        """Pin ``node`` (locked here), then release the oldest pins while over the budget
+        (the new one too, if it alone is over)."""
+        self.tree.lock(node)
+        pin = Pin(next(self._ids), namespace, node, length, expires)
+        self.pins[pin.id] = pin
+        while self.pins and self.pinned_pages() > self.max_pages:
+            self._release(next(iter(self.pins.values())))
+            self.released += 1
+        return pin
+
+    def drop(self, pin: Pin) -> None:
+        """End ``pin`` (nothing if it already ended)."""
+        if pin.active:
+            self._release(pin)
+
+    def expire(self, now: float) -> list[Pin]:
+        """Release every pin whose lifetime ended by ``now``."""
+        ended = [pin for pin in self.pins.values() if pin.expires <= now]
+        for pin in ended:
+            self._release(pin)
+        self.released += len(ended)
+        return ended
+
+    def pinned_pages(self) -> int:
+        """Pages on the union of the pinned paths."""
+        seen: set[int] = set()
+        pages = 0
+        for pin in self.pins.values():
+            node: Node | None = pin.node
+            while node is not None and id(node) not in seen:
+                seen.add(id(node))
+                pages += len(node.pages)
+                node = node.parent
+        return pages
+
+    def _release(self, pin: Pin) -> None:
+        pin.active = False
+        del self.pins[pin.id]
+        self.tree.unlock(pin.node)

@@ -6,7 +6,7 @@ Tokenizing and validating happen here, once, with the engine's own ``PromptPrepa
 encoding or checking them again; it checks only that the request fits its own pool), the
 sampling parameters and the namespace, which is all a router needs to hash the prompt. The
 reply streams back as the engine's own events (``Delta`` ..., then the ``RequestOutput``),
-fed into an ordinary ``RequestHandle`` so the app cannot tell the difference.
+put into the sink of an ordinary ``RequestHandle`` so the app cannot tell the difference.
 """
 
 from __future__ import annotations
@@ -20,18 +20,16 @@ from typing import Any
 
 import msgspec
 
-from engine import (
+from engine import ModelFront, PromptPreparer, SamplingParams
+from engine.api import (
     Delta,
-    Done,
     EngineDeadError,
     EngineStats,
-    Failed,
-    ModelFront,
+    HandleSink,
     PromptIds,
-    PromptPreparer,
     RequestHandle,
     RequestOutput,
-    SamplingParams,
+    context_limit,
 )
 
 
@@ -86,9 +84,7 @@ class RemoteEngine:
     def max_context(self) -> int:
         """The model's context, or what a replica's KV pool holds for one request where that
         is less (once a replica has reported its pool)."""
-        context = int(self._front.config.max_position_embeddings)
-        pool = self._pool_tokens()
-        return context if pool is None else min(context, pool + 1)
+        return context_limit(int(self._front.config.max_position_embeddings), self._pool_tokens())
 
     @property
     def alive(self) -> bool:
@@ -113,30 +109,30 @@ class RemoteEngine:
         ids = ids if isinstance(ids, PromptIds) else PromptIds(ids)  # checked: replicas trust it
         call = EngineCall(ids, p, namespace, stream, text)
         request_id = next(self._ids)
-        handle = RequestHandle(request_id, self._abort)
-        task = asyncio.get_running_loop().create_task(self._pump(call, handle))
+        handle, sink = RequestHandle.open(request_id, self._abort)
+        task = asyncio.get_running_loop().create_task(self._pump(call, sink))
         self._running[request_id] = task
         task.add_done_callback(lambda _: self._running.pop(request_id, None))
         return handle
 
-    async def _pump(self, call: EngineCall, handle: RequestHandle) -> None:
+    async def _pump(self, call: EngineCall, sink: HandleSink) -> None:
         stream = self._stream(call)
         try:
             async for item in stream:
                 if isinstance(item, Delta):
-                    handle.put(item)
+                    sink.delta(item)
                 elif isinstance(item, RequestOutput):
-                    handle.put(Done(item))
+                    sink.finish(item)
                     return
-            handle.put(Failed(RuntimeError("the replica ended the stream without an output")))
+            sink.fail(RuntimeError("the replica ended the stream without an output"))
         except asyncio.CancelledError:  # aborted: stop the replica's generator too
             cancel = getattr(stream, "cancel", None)
             if callable(cancel):
                 cancel()
-            handle.put(Failed(RuntimeError("aborted")))
+            sink.fail(RuntimeError("aborted"))
             raise
         except BaseException as exc:  # the replica's error, re-raised by the app
-            handle.put(Failed(_client_error(exc)))
+            sink.fail(_client_error(exc))
 
     def _abort(self, request_id: int) -> None:
         """Cancelling the stream cancels the replica's generator, which aborts its request."""
@@ -145,7 +141,14 @@ class RemoteEngine:
             task.cancel()
 
     def num_waiting(self) -> int:
-        """Requests sent and not yet answered (what ``--max-queued`` counts at the front)."""
+        """Requests sent and not yet running, as an Engine counts them (what ``--max-queued``
+        counts): those in flight less those the replicas report running (as of their last
+        report; no more than are in flight)."""
+        in_flight = len(self._running)
+        return in_flight - min(in_flight, self.stats().requests_running)
+
+    def num_in_flight(self) -> int:
+        """Requests sent and not yet answered, queued or running (what a drain waits out)."""
         return len(self._running)
 
     def stats(self) -> EngineStats:

@@ -9,7 +9,7 @@ reset. So the last stats of every replica that left stay in the sum as their cou
 
 from __future__ import annotations
 
-from engine import EngineStats
+from engine.api import EngineStats
 
 
 class ReplicaStats:

@@ -33,7 +33,8 @@ from cluster.index import KVIndex
 from cluster.policy import CacheAware, RouteRequest
 from cluster.remote import EngineCall, RemoteEngine
 from cluster.replica_stats import ReplicaStats
-from engine import EngineConfig, abort_on_exit
+from engine import EngineConfig
+from engine.api import abort_on_exit
 
 log = logging.getLogger("radixkv.cluster")
 
@@ -223,9 +224,9 @@ class OpenAIFront:
         ``grace_s`` to finish; True once none is left."""
         self._state.draining = True
         deadline = time.monotonic() + grace_s
-        while self.engine.num_waiting() and time.monotonic() < deadline:
+        while self.engine.num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return not self.engine.num_waiting()
+        return not self.engine.num_in_flight()
 
     def _watch_stats(self) -> None:
         while True:

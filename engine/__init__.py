@@ -4,11 +4,14 @@
     with Engine() as engine:
         [out] = engine.generate("Hello", SamplingParams(max_new_tokens=32, temperature=0.0))
 
-This package's names are the only way ``server``, ``cluster`` and ``workloads`` reach the
-engine (``tests/test_layering.py`` holds them to it). They load on first access, so importing a
-submodule (``engine.model.loader``, ``engine.model.runner``) does not pull in the scheduler
-and the engine loop, and ``from engine import load_front`` does not load torch's model code
-beyond what the front needs.
+``server``, ``cluster`` and ``workloads`` reach the engine through this package's names and
+``engine.api`` (the seam's types: outputs, the handle and its events, stats, errors,
+``EngineClient``), nothing else (``tests/test_layering.py`` holds them to it). The names here
+are the engine itself, its commands, the front that encodes prompts without a model, models
+and the machine for benchmarks, and ``tools`` (the tool-call format, as one namespace). They
+load on first access, so importing a submodule (``engine.model.loader``) does not pull in the
+scheduler and the engine loop, and ``from engine import load_front`` does not load torch's
+model code beyond what the front needs.
 """
 
 from __future__ import annotations
@@ -16,144 +19,57 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from engine.client import EngineClient, PromptIds
-    from engine.config import EngineConfig
-    from engine.model.cpu.machine import cache_root
-    from engine.model.kv_pool import KVPool
-    from engine.model.loader import (
-        LoadedModel,
-        ModelFront,
-        bundled_gguf_path,
-        checkpoint_dir,
-        load_front,
-        load_hf_reference,
-        load_model,
-    )
-    from engine.model.sampler import TokenLogprob
-    from engine.serving.chat import ChatSession, continue_tokens
-    from engine.serving.cli import build_parser, engine_options, run_command
-    from engine.serving.engine import Engine
-    from engine.serving.errors import ContextLengthError, EngineDeadError
-    from engine.serving.handle import Delta, Done, Failed, RequestHandle, abort_on_exit
-    from engine.serving.outputs import RequestOutput
-    from engine.serving.prompts import PromptPreparer, kept_prompt
-    from engine.serving.stats import EngineStats
-    from engine.serving.tools import (
-        CallScanner,
-        ToolCall,
-        calls_text,
-        check_json_schema,
-        check_tools,
-        cut_tool_calls,
-        is_call_reply,
-        new_call_id,
-        parse_tool_calls,
-        scan_calls,
-        tool_constraint,
-        with_tools,
-    )
-    from scheduler import SamplingParams, StructuredOutputsParams
+if TYPE_CHECKING:  # the names for type checkers (``X as X``: re-exported)
+    from engine.config import EngineConfig as EngineConfig
+    from engine.model.cpu.machine import cache_root as cache_root
+    from engine.model.kv_pool import KVPool as KVPool
+    from engine.model.loader import ModelFront as ModelFront
+    from engine.model.loader import bundled_gguf_path as bundled_gguf_path
+    from engine.model.loader import checkpoint_dir as checkpoint_dir
+    from engine.model.loader import load_front as load_front
+    from engine.model.loader import load_hf_reference as load_hf_reference
+    from engine.model.loader import load_model as load_model
+    from engine.serving import tools as tools
+    from engine.serving.chat import ChatSession as ChatSession
+    from engine.serving.chat import continue_tokens as continue_tokens
+    from engine.serving.cli import build_parser as build_parser
+    from engine.serving.cli import engine_options as engine_options
+    from engine.serving.cli import run_command as run_command
+    from engine.serving.engine import Engine as Engine
+    from engine.serving.prompts import PromptPreparer as PromptPreparer
+    from engine.serving.prompts import kept_prompt as kept_prompt
+    from scheduler import SamplingParams as SamplingParams
+    from scheduler import StructuredOutputsParams as StructuredOutputsParams
 
-_HOMES = {
-    # the API
-    "Engine": "engine.serving.engine",
-    "EngineConfig": "engine.config",
-    "EngineClient": "engine.client",
-    "PromptIds": "engine.client",
-    "SamplingParams": "scheduler.params",
-    "StructuredOutputsParams": "scheduler.params",
-    "RequestOutput": "engine.serving.outputs",
-    "TokenLogprob": "engine.model.sampler",
-    "RequestHandle": "engine.serving.handle",
-    "Delta": "engine.serving.handle",
-    "Done": "engine.serving.handle",
-    "Failed": "engine.serving.handle",
-    "abort_on_exit": "engine.serving.handle",
-    "EngineDeadError": "engine.serving.errors",
-    "ContextLengthError": "engine.serving.errors",
-    "EngineStats": "engine.serving.stats",
-    "PromptPreparer": "engine.serving.prompts",
-    "kept_prompt": "engine.serving.prompts",
-    "ChatSession": "engine.serving.chat",
-    "ToolCall": "engine.serving.tools",
-    "calls_text": "engine.serving.tools",
-    "CallScanner": "engine.serving.tools",
-    "is_call_reply": "engine.serving.tools",
-    "new_call_id": "engine.serving.tools",
-    "scan_calls": "engine.serving.tools",
-    "check_tools": "engine.serving.tools",
-    "check_json_schema": "engine.serving.tools",
-    "parse_tool_calls": "engine.serving.tools",
-    "cut_tool_calls": "engine.serving.tools",
-    "tool_constraint": "engine.serving.tools",
-    "with_tools": "engine.serving.tools",
-    "continue_tokens": "engine.serving.chat",
+# module -> the names it gives this package (the one list: ``__all__`` is read from it)
+_HOMES_BY_MODULE = {
+    # the engine and what a request asks for
+    "engine.serving.engine": ("Engine",),
+    "engine.config": ("EngineConfig",),
+    "scheduler.params": ("SamplingParams", "StructuredOutputsParams"),
+    "engine.serving.chat": ("ChatSession", "continue_tokens"),
     # the commands (radixkv chat / generate; serve builds on them)
-    "build_parser": "engine.serving.cli",
-    "engine_options": "engine.serving.cli",
-    "run_command": "engine.serving.cli",
+    "engine.serving.cli": ("build_parser", "engine_options", "run_command"),
+    # a front without the model: prompts encoded and checked, cut to fit
+    "engine.serving.prompts": ("PromptPreparer", "kept_prompt"),
     # models and the machine, for front ends and benchmarks
-    "LoadedModel": "engine.model.loader",
-    "ModelFront": "engine.model.loader",
-    "load_model": "engine.model.loader",
-    "load_front": "engine.model.loader",
-    "load_hf_reference": "engine.model.loader",
-    "bundled_gguf_path": "engine.model.loader",
-    "checkpoint_dir": "engine.model.loader",
-    "KVPool": "engine.model.kv_pool",
-    "cache_root": "engine.model.cpu.machine",
+    "engine.model.loader": (
+        "ModelFront", "load_front", "load_model", "load_hf_reference", "bundled_gguf_path",
+        "checkpoint_dir",
+    ),
+    "engine.model.kv_pool": ("KVPool",),
+    "engine.model.cpu.machine": ("cache_root",),
 }
+_HOMES = {name: module for module, names in _HOMES_BY_MODULE.items() for name in names}
+# Namespaces: a module under a name of its own.
+_MODULES = {"tools": "engine.serving.tools"}
 
-__all__ = [
-    "CallScanner",
-    "kept_prompt",
-    "is_call_reply",
-    "new_call_id",
-    "scan_calls",
-    "ToolCall",
-    "calls_text",
-    "check_tools",
-    "check_json_schema",
-    "parse_tool_calls",
-    "cut_tool_calls",
-    "tool_constraint",
-    "with_tools",
-    "StructuredOutputsParams",
-    "abort_on_exit",
-    "PromptPreparer",
-    "build_parser",
-    "engine_options",
-    "run_command",
-    "ContextLengthError",
-    "ChatSession",
-    "Delta",
-    "Done",
-    "Engine",
-    "EngineClient",
-    "EngineConfig",
-    "EngineDeadError",
-    "EngineStats",
-    "Failed",
-    "KVPool",
-    "LoadedModel",
-    "ModelFront",
-    "PromptIds",
-    "RequestHandle",
-    "RequestOutput",
-    "SamplingParams",
-    "TokenLogprob",
-    "bundled_gguf_path",
-    "cache_root",
-    "checkpoint_dir",
-    "continue_tokens",
-    "load_front",
-    "load_hf_reference",
-    "load_model",
-]
+__all__ = sorted([*_HOMES, *_MODULES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine import EngineClient
+from engine.api import EngineClient
 from server import chat, completions, models, probes, tokenization
 from server.access_log import AccessLog
 from server.config import ServerConfig

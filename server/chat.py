@@ -17,17 +17,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import (
-    CallScanner,
-    RequestOutput,
-    TokenLogprob,
-    cut_tool_calls,
-    is_call_reply,
-    kept_prompt,
-    new_call_id,
-    parse_tool_calls,
-    tool_constraint,
-)
+from engine import kept_prompt
+from engine import tools as tool_format
+from engine.api import RequestOutput, TokenLogprob
 from server import protocol
 from server.errors import as_api_error, invalid
 from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
@@ -47,7 +39,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         # rendered whatever tool_choice says
         messages, functions = protocol.with_tool_section(messages, req.tools)
         try:
-            constraint = tool_constraint(
+            constraint = tool_format.tool_constraint(
                 functions, req.tool_choice, req.parallel_tool_calls, reply=structure
             )
         except ValueError as exc:
@@ -85,8 +77,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     for c, o in zip(choices, outputs):
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
         reason = o.finish_reason
-        calls = parse_tool_calls(o.text) if calling else None
-        cut = cut_tool_calls(o.text) if calling and calls is None else []
+        calls = tool_format.parse_tool_calls(o.text) if calling else None
+        cut = tool_format.cut_tool_calls(o.text) if calling and calls is None else []
         if calls or cut:  # a call cut by max_tokens keeps its arguments as far as they got
             message = {"role": "assistant", "content": None,
                        "tool_calls": [call.to_openai() for call in calls or cut]}
@@ -160,7 +152,7 @@ async def _stream(
                 if u.output is None:
                     stream.hold(ids, lps)
                     continue
-                called = parse_tool_calls(u.output.text) is not None
+                called = tool_format.parse_tool_calls(u.output.text) is not None
                 reason = "tool_calls" if called else u.output.finish_reason
                 yield chunk(_item(state, req, u.choice, {}, ids, lps, reason))
                 outputs.append(u.output)
@@ -190,7 +182,8 @@ class _CallStream:
     then its arguments in the fragments that arrive (they join to the final arguments)."""
 
     def __init__(self) -> None:
-        self._scanner = CallScanner()  # the reply so far, read once, while it may be a call
+        # the reply so far, read once, while it may be a call
+        self._scanner = tool_format.CallScanner()
         self.is_call: bool | None = None
         self._sent: list[tuple[str, int]] = []  # per call: its id, argument characters sent
         self._held_ids: list[int] = []  # tokens of updates that sent no chunk yet
@@ -218,7 +211,7 @@ class _CallStream:
 
     def take_held(self) -> str:
         """The text held while undecided, once: the reply turned out plain."""
-        text, self._scanner = self.held, CallScanner()
+        text, self._scanner = self.held, tool_format.CallScanner()
         return text
 
     def reading(self, text: str) -> bool:
@@ -226,7 +219,7 @@ class _CallStream:
         if self.is_call is False:
             return False
         self._scanner.feed(text)
-        if self.held and not is_call_reply(self.held):
+        if self.held and not tool_format.is_call_reply(self.held):
             self.is_call = False
             return False
         self.is_call = True if self.held else None
@@ -237,7 +230,7 @@ class _CallStream:
         text = self.held
         for k, (name, start, end) in enumerate(self._scanner.spans()):
             if k == len(self._sent):
-                self._sent.append((new_call_id(), 0))
+                self._sent.append((tool_format.new_call_id(), 0))
                 head = {"index": k, "id": self._sent[k][0], "type": "function",
                         "function": {"name": name, "arguments": ""}}
                 out.append({"tool_calls": [head]})

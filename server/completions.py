@@ -16,7 +16,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import PromptIds, RequestOutput, TokenLogprob, kept_prompt
+from engine import kept_prompt
+from engine.api import PromptIds, RequestOutput, TokenLogprob
 from server import protocol
 from server.errors import as_api_error
 from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit

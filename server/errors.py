@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse
 
-from engine import EngineDeadError
+from engine.api import EngineDeadError
 
 log = logging.getLogger("radixkv.server")
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
-from engine import ContextLengthError, PromptIds, SamplingParams
+from engine import SamplingParams
+from engine.api import ContextLengthError, PromptIds
 from server import access_log, protocol
 from server.checks import check_auth, check_model, check_queue, read_body
 from server.errors import APIError, from_engine, invalid
@@ -62,8 +63,7 @@ class TokenBudget:
         ``context_length_exceeded`` naming ``where``, the request's prompt field (over the
         model's context, or over what the KV pool holds for one request)."""
         prompt = exc.prompt_tokens
-        # The pool's limit counts stored K/V: the last generated token is never stored.
-        context = exc.limit + 1 if exc.of_pool else exc.limit
+        context = exc.context
         whose = (
             "this server's KV cache holds" if exc.of_pool
             else "this model's maximum context length is"

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import EngineClient, EngineStats, RequestOutput
+from engine.api import EngineClient, EngineStats, RequestOutput
 
 PREFIX = "radixkv:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -19,14 +19,8 @@ from typing import Any
 
 import msgspec
 
-from engine import (
-    SamplingParams,
-    StructuredOutputsParams,
-    calls_text,
-    check_json_schema,
-    check_tools,
-    with_tools,
-)
+from engine import SamplingParams, StructuredOutputsParams
+from engine import tools as tool_format
 from server.errors import APIError, from_engine, invalid
 
 # Choices one request may ask for (each is a request in the engine; they share the prompt).
@@ -172,7 +166,8 @@ def conversation(messages: list[ChatMessage], field: str = "messages") -> list[d
         if role == "tool" and not message.tool_call_id:
             raise invalid(f"{where}.tool_call_id: a tool message answers a call; give its id")
         if role == "assistant" and message.tool_calls:
-            out.append({"role": role, "content": calls_text(_calls(message.tool_calls, where))})
+            text = tool_format.calls_text(_calls(message.tool_calls, where))
+            out.append({"role": role, "content": text})
             continue
         out.append({"role": role, "content": _content_text(message, role, where)})
     return out
@@ -182,7 +177,7 @@ def tool_functions(tools: Any) -> list[dict[str, Any]]:
     """OpenAI's ``tools`` as the engine's functions, each ``parameters`` schema checked alone
     (a 400 naming ``tools[i].function.parameters``)."""
     try:
-        return check_tools(tools)
+        return tool_format.check_tools(tools)
     except ValueError as exc:
         raise invalid(str(exc)) from None
 
@@ -193,7 +188,7 @@ def with_tool_section(
     """The conversation as the model reads it beside ``tools`` (their section in the system
     turn), and the functions; chat and ``/tokenize`` share it, so their counts agree."""
     functions = tool_functions(tools)
-    return with_tools(messages, functions), functions
+    return tool_format.with_tools(messages, functions), functions
 
 
 def _calls(calls: list[dict[str, Any]], where: str) -> list[tuple[str, str]]:
@@ -332,7 +327,7 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
                 param="response_format.json_schema.schema",
             )
         try:
-            check_json_schema(schema, RESPONSE_SCHEMA)
+            tool_format.check_json_schema(schema, RESPONSE_SCHEMA)
         except ValueError as exc:
             raise invalid(str(exc), param=RESPONSE_SCHEMA) from None
         return StructuredOutputsParams(json=schema)

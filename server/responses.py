@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from engine import RequestOutput, TokenLogprob
+from engine.api import RequestOutput, TokenLogprob
 from server.tokens import TokenTexts
 
 # JSON has no -inf: a token the model gives no chance at all gets this floor.

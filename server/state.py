@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from engine import EngineClient, PromptIds, RequestOutput
+from engine.api import EngineClient, PromptIds, RequestOutput
 from server import access_log
 from server.config import ServerConfig
 from server.errors import invalid

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine import Delta, RequestHandle, RequestOutput, TokenLogprob
+from engine.api import Delta, RequestHandle, RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from server.state import ServerState

@@ -1,5 +1,6 @@
-"""The import direction of docs/ARCHITECTURE.md holds: radix <- scheduler <- engine.model <-
-engine.serving <- server <- cluster, and nothing below imports what sits above it."""
+"""The import direction of docs/ARCHITECTURE.md holds: radix <- scheduler <- engine.api <-
+engine.model <- engine.serving <- server <- cluster, and nothing below imports what sits above
+it; engine.api (the seam's words) is a leaf of the engine."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "radix": ("scheduler", "engine", "server", "cluster", "workloads", "torch"),
     "scheduler": ("engine", "server", "cluster", "workloads", "torch"),
+    # the seam's words: records and the handle, none of the engine's insides, no torch
+    "engine/api": (
+        "engine.model", "engine.serving", "engine.config", "server", "cluster", "workloads",
+        "torch",
+    ),
     "engine/model": ("engine.serving", "server", "cluster", "workloads"),
     "engine/serving": ("server", "cluster", "workloads"),
     # server sees only the engine (SamplingParams too comes from there); cluster reads radix's
@@ -63,10 +69,11 @@ def test_the_routing_core_runs_without_ray_or_torch() -> None:
 
 
 # server/, cluster/ and workloads/ reach the engine only through the names of engine/__init__.py
-# (its EngineClient seam, EngineConfig and the types it hands out), so what the engine keeps
-# inside can move without them. The model bench measures engine internals (products, attention
-# kernels, the runner) and is the one exception.
+# (the engine, its config and commands) and engine.api (the seam's types: EngineClient and what
+# it hands out), so what the engine keeps inside can move without them. The model bench
+# measures engine internals (products, attention kernels, the runner) and is the one exception.
 THROUGH_THE_FACE = {"server": (), "cluster": (), "workloads": ("workloads/model_bench",)}
+FACE = ("engine", "engine.api")
 
 
 @pytest.mark.parametrize("package", sorted(THROUGH_THE_FACE))
@@ -77,6 +84,20 @@ def test_packages_above_the_engine_use_only_its_top_level_names(package: str) ->
         if any(path.is_relative_to(folder) for folder in exempt):
             continue
         for module in imported_modules(path):
-            if module.startswith("engine."):
+            if module.startswith("engine.") and module not in FACE:
                 bad.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_seams_words_load_without_the_engine() -> None:
+    """``engine.api`` is what a front needs to speak to an engine: importing it loads no
+    torch and no engine module outside it, and the engine's face stays small."""
+    code = (
+        "import sys, engine, engine.api; "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
+        "or (m.startswith('engine.') and not m.startswith('engine.api'))); "
+        "assert not heavy, heavy; "
+        "plain = [n for n in engine.__all__ if n not in ('tools',)]; "
+        "assert len(plain) < 20, plain"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.api.outputs import TokenLogprob
 from engine.model.attention import create_backend
 from engine.model.attention.base import AttentionBackend
 from engine.model.cpu.products import load_products
@@ -18,7 +19,7 @@ from engine.model.cuda.step_buffers import StepBuffers
 from engine.model.forward_batch import ForwardBatch, StepIndex
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
-from engine.model.sampler import Sampler, TokenLogprob, token_logprobs
+from engine.model.sampler import Sampler, token_logprobs
 from engine.model.structured import Grammars
 from scheduler.batch import Batch, BatchEntry, slots_for
 

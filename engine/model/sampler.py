@@ -11,9 +11,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
+from engine.api.outputs import TokenLogprob
 from engine.model.logit_adjust import adjust_logits
 from scheduler.params import GREEDY_BELOW, SamplingParams
 
@@ -64,21 +64,6 @@ def uniform_of_hash(h: torch.Tensor) -> torch.Tensor:
     every other hash keeps the uniform it had."""
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return u.clamp_(max=_BELOW_ONE)
-
-
-class TokenLogprob(msgspec.Struct, frozen=True):
-    """The log-probability of a generated token under the model, and its best alternatives.
-
-    Log-probabilities are of the model's own distribution (log-softmax of the raw logits),
-    before temperature and filters, so they mean the same for every request (vLLM's default).
-    ``top`` holds ``(token_id, logprob)`` of the most likely tokens, best first; ``rank`` is
-    the token's place among them all (1: none is more likely; vLLM's rank).
-    """
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = []
-    rank: int = 1
 
 
 def token_logprobs(

@@ -17,15 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.serving.handle import TextStream, abort_on_exit
-from engine.serving.outputs import RequestOutput
+from engine.api import RequestOutput, TextStream, abort_on_exit
 from engine.serving.prompts import Span, encode_text, encode_with_spans, render_with_spans
 from engine.serving.tools import offer_tools, with_parsed_calls, with_tools
 from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.client import EngineClient
+    from engine.api import EngineClient
 
 
 def continue_tokens(

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, TextIO
 from engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from engine import Engine, RequestOutput, SamplingParams
+    from engine import Engine, SamplingParams
+    from engine.api import RequestOutput
 
 HELP_TEXT = """commands: /help (this list), /reset (new conversation), /stats (engine counters),
 /exit (or Ctrl-D). Ctrl-C stops a reply that is being generated, or clears the line."""

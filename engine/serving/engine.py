@@ -14,19 +14,25 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from engine.client import PromptIds
+from engine.api import (
+    EngineDeadError,
+    EngineStats,
+    PromptIds,
+    RequestHandle,
+    RequestOutput,
+    TextStream,
+    abort_on_exit,
+    context_limit,
+)
+from engine.api.handle import outputs_or_raise
 from engine.config import EngineConfig
 from engine.model.build import build_pool, build_runner, verified_invariant, warn_if_slow_dtype
 from engine.model.loader import LoadedModel, load_model
 from engine.model.structured import Grammars
 from engine.serving.detokenizer import IncrementalDetokenizer
-from engine.serving.errors import EngineDeadError
-from engine.serving.handle import RequestHandle, TextStream, abort_on_exit, outputs_or_raise
 from engine.serving.kv_tiers import build_tiers
 from engine.serving.loop import EngineLoop, Job
-from engine.serving.outputs import RequestOutput
 from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text, split_prompts
-from engine.serving.stats import EngineStats
 from engine.serving.tools import offer_tools, with_parsed_calls, with_tools
 from engine.serving.validation import check_token_ids
 from radix import KVEvent, KVManager
@@ -58,7 +64,7 @@ class Engine:
     independent of the batch it ran in, the cache (hit, miss, partial), prefill chunking,
     preemption, cascade decode and the page size, in float32 and bfloat16 alike, as the dtype
     probe verified on this machine (``Engine.batch_invariant`` says whether it did).
-    Implements ``engine.client.EngineClient``.
+    Implements ``engine.api.EngineClient``.
     """
 
     def __init__(self, config: EngineConfig | None = None, /, **overrides: Any) -> None:
@@ -138,8 +144,9 @@ class Engine:
     def max_context(self) -> int:
         """Prompt + generated tokens one request may hold: the model's context, or less where
         the KV pool holds fewer (the last generated token is never stored)."""
-        pool = self._num_pages * self.page_size + 1
-        return min(int(self._config.max_position_embeddings), pool)
+        return context_limit(
+            int(self._config.max_position_embeddings), self._num_pages * self.page_size
+        )
 
     @property
     def config(self) -> EngineConfig:
@@ -417,13 +424,13 @@ class Engine:
         request = Request(
             next(self._request_ids), token_ids, params, namespace, self._eos_token_ids
         )
-        handle = RequestHandle(request.id, self._loop.abort)
+        handle, sink = RequestHandle.open(request.id, self._loop.abort)
         detokenizer = IncrementalDetokenizer(
             self._tokenizer, stop=params.stop, prompt_ids=token_ids, min_tokens=params.min_tokens,
             include_stop=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
         )
-        self._loop.submit(Job(request, detokenizer, handle, stream))
+        self._loop.submit(Job(request, detokenizer, sink, stream))
         return handle
 
 

@@ -26,16 +26,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.api import (
+    Delta,
+    Done,
+    EngineDeadError,
+    EngineStats,
+    Event,
+    Failed,
+    RequestHandle,
+    RequestOutput,
+    TokenLogprob,
+)
 from engine.model.cpu.malloc_tuning import keep_freed_memory
 from engine.model.cpu.threads import release_openmp_team
 from engine.model.runner import ModelRunner
-from engine.model.sampler import TokenLogprob
 from engine.model.structured import GrammarError
 from engine.serving.detokenizer import IncrementalDetokenizer
-from engine.serving.errors import EngineDeadError
-from engine.serving.handle import Delta, Done, Event, Failed, RequestHandle
-from engine.serving.outputs import RequestOutput
-from engine.serving.stats import EngineStats, snapshot
+from engine.serving.stats import snapshot
 from radix import KVEvent
 from scheduler import Batch, Request, RequestState, Scheduler
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from engine.client import PromptIds
+from engine.api import PromptIds
 from engine.model.structured import Grammars
 from engine.serving.validation import (
     check_fits,

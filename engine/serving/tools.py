@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from engine.api.outputs import ToolCall
 from engine.model.structured import JSON_LAYOUT, with_json_layout
 from scheduler import StructuredOutputsParams
 
@@ -32,22 +33,6 @@ INSTRUCTION = (
 )
 SEPARATORS = (", ", ": ")  # what the constrained JSON is generated with, and rendered with
 CHOICES = ("none", "auto", "required")
-
-
-class ToolCall(msgspec.Struct, frozen=True):
-    """One call the model made: ``arguments`` is the JSON text of the arguments, as OpenAI's
-    ``function.arguments`` carries it."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def to_openai(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
 
 
 def check_tools(tools: Any, field: str = "tools") -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from engine.serving.errors import ContextLengthError
+from engine.api import ContextLengthError, context_limit
 from scheduler import SamplingParams
 
 
@@ -148,8 +148,7 @@ def check_fits(
             f"{total} exceeds the model's context of {max_context} tokens",
             field, num_prompt_tokens, max_new_tokens, max_context, of_pool=False,
         )
-    # The last generated token is never fed back, so its K/V is never stored.
-    if total - 1 > pool_tokens:
+    if total > context_limit(max_context, pool_tokens):  # the pool is the tighter bound
         raise ContextLengthError(
             f"{field}: {num_prompt_tokens} prompt tokens + max_new_tokens {max_new_tokens} "
             f"need {total - 1} KV slots, more than the KV cache's {pool_tokens} "

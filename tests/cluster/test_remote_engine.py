@@ -11,7 +11,8 @@ import msgspec
 import pytest
 
 from cluster.remote import EngineCall, RemoteEngine
-from engine import EngineStats, SamplingParams
+from engine import SamplingParams
+from engine.api import EngineStats
 from engine.model.loader import load_front
 
 
@@ -70,7 +71,7 @@ def test_a_replica_failure_reaches_the_client_without_ray_internals(front: Any) 
     """A replica that dies mid-request (Ray raises an error naming pids, node addresses and
     actor ids) is a plain retryable failure to the client; a ValueError from the replica
     (the request's own fault) still reaches it as it was raised."""
-    from engine.serving.errors import EngineDeadError
+    from engine.api import EngineDeadError
 
     class ActorDiedError(RuntimeError):
         """Shaped like Ray's: the message carries the internals."""
@@ -129,3 +130,45 @@ def test_replicas_stats_add_up_and_the_hit_rate_is_recomputed() -> None:
     assert total.hit_rate == pytest.approx(0.25)
     assert total.tiers.compute_s_per_page == pytest.approx(0.02)  # the one replica that measured
     assert EngineStats.total([]) == zero
+
+
+def test_queued_counts_what_no_replica_runs_yet_and_in_flight_everything_unanswered(
+    front: Any,
+) -> None:
+    """``num_waiting`` means what it means in an Engine (queued, what --max-queued counts);
+    a drain waits for every request in flight."""
+    running = 0
+
+    async def stream(call: EngineCall) -> Any:
+        await asyncio.sleep(3600)
+        yield
+
+    def stats() -> EngineStats:
+        return msgspec.structs.replace(EngineStats.zero(), requests_running=running)
+
+    remote = RemoteEngine(front, stream, lambda: None, stats)
+
+    async def run() -> None:
+        nonlocal running
+        handles = [remote.submit("Hi", SamplingParams(max_new_tokens=2)) for _ in range(3)]
+        await asyncio.sleep(0)  # the requests go out
+        assert remote.num_in_flight() == 3 and remote.num_waiting() == 3
+        running = 2  # the replicas report two of them running
+        assert remote.num_in_flight() == 3 and remote.num_waiting() == 1
+        running = 5  # a stale report never makes the queue negative
+        assert remote.num_waiting() == 0
+        for handle in handles:
+            handle.abort()
+            with pytest.raises(RuntimeError, match="aborted"):
+                await handle.aresult()
+        assert remote.num_in_flight() == 0
+
+    asyncio.run(run())
+
+
+def test_the_front_and_an_engine_bound_a_request_by_one_rule(front: Any) -> None:
+    """The pool holds every token but the last generated one (``context_limit``)."""
+    context = int(front.config.max_position_embeddings)
+    assert RemoteEngine(front, lambda call: None, lambda: None).max_context == context
+    assert RemoteEngine(front, lambda call: None, lambda: 63).max_context == 64
+    assert RemoteEngine(front, lambda call: None, lambda: 10**9).max_context == context

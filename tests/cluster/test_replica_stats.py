@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cluster.replica_stats import ReplicaStats
-from engine import EngineStats
+from engine.api import EngineStats
 
 NAMES = ["a", "b", "c"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine_helpers import greedy
 
-from engine import RequestOutput
+from engine.api import RequestOutput
 from engine.serving.chat import continue_tokens
 
 TURNS = [

@@ -8,7 +8,7 @@ import threading
 import pytest
 from engine_helpers import assert_idle_accounting, greedy
 
-from engine import EngineDeadError
+from engine.api import EngineDeadError
 from engine.serving import engine as serving_engine
 from engine.serving.detokenizer import IncrementalDetokenizer
 

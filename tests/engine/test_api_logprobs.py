@@ -52,7 +52,7 @@ def test_logprobs_out_of_range_is_refused(bad) -> None:
 def test_streamed_deltas_carry_their_tokens_and_logprobs(engine) -> None:
     import asyncio
 
-    from engine.serving.handle import Delta
+    from engine.api import Delta
 
     async def run():
         handle = engine.submit(user(CHAT_PROMPTS[2]), greedy(10, logprobs=1), stream=True)

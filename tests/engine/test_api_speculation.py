@@ -12,7 +12,8 @@ from engine_helpers import CHAT_PROMPTS, assert_idle_accounting, greedy, user
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import Engine, EngineStats, SamplingParams
+from engine import Engine, SamplingParams
+from engine.api import EngineStats
 from engine.model.cpu.probe import probe
 
 PASSAGE = (

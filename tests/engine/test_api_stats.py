@@ -6,7 +6,7 @@ import dataclasses
 
 from engine_helpers import assert_idle_accounting, greedy
 
-from engine import EngineStats
+from engine.api import EngineStats
 
 COUNTER_NAMES = [f.name for f in dataclasses.fields(EngineStats.zero().counters)]
 

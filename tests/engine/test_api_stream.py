@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine_helpers import assert_idle_accounting, greedy
 
-from engine import RequestOutput
+from engine.api import RequestOutput
 
 PROMPT = "The capital of France"
 

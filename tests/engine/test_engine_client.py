@@ -6,7 +6,8 @@ from __future__ import annotations
 from engine_helpers import greedy
 
 from cluster.remote import RemoteEngine
-from engine import EngineClient, PromptIds, load_front
+from engine import load_front
+from engine.api import EngineClient, PromptIds
 from engine.serving import prompts
 
 

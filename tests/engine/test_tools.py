@@ -12,14 +12,8 @@ from engine_helpers import assert_idle_accounting, greedy, user
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import (
-    CallScanner,
-    StructuredOutputsParams,
-    calls_text,
-    parse_tool_calls,
-    scan_calls,
-)
-from engine.serving.tools import SEPARATORS
+from engine import StructuredOutputsParams
+from engine.serving.tools import SEPARATORS, CallScanner, calls_text, parse_tool_calls, scan_calls
 
 WEATHER = {
     "type": "object",

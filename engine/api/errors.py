@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from engine.api.client import context_limit
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (it crashed, or the engine was closed); nothing more runs.
@@ -26,6 +28,12 @@ class ContextLengthError(ValueError):
         self.max_new_tokens = max_new_tokens
         self.limit = limit
         self.of_pool = of_pool
+
+    @property
+    def context(self) -> int:
+        """Prompt + generated tokens one request may hold under the limit it broke (the
+        pool's: ``context_limit`` of it)."""
+        return context_limit(None, self.limit) if self.of_pool else self.limit
 
     def __reduce__(self) -> tuple:
         """Whole across processes (a replica's error reaches the front through Ray)."""

@@ -1,5 +1,5 @@
-"""The engine as its callers see it: ``EngineClient``, and ``PromptIds``, a prompt encoded and
-checked once.
+"""The engine as its callers see it: ``EngineClient``; ``PromptIds``, a prompt encoded and
+checked once; and ``context_limit``, the one rule for how many tokens a request may hold.
 
 The HTTP server, ``ChatSession`` and the commands are written against this protocol; an
 ``Engine`` in this process and ``cluster.remote.RemoteEngine`` (replicas behind a router)
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from engine.serving.handle import RequestHandle
-    from engine.serving.stats import EngineStats
+    from engine.api.handle import RequestHandle
+    from engine.api.stats import EngineStats
     from scheduler import SamplingParams
 
 
@@ -24,6 +24,19 @@ class PromptIds(list[int]):
     by hand, or changes one, vouches for its ids."""
 
     __slots__ = ()
+
+
+def context_limit(model_context: int | None, pool_tokens: int | None) -> int:
+    """Prompt + generated tokens one request may hold: the model's context, or the KV pool's
+    tokens + 1 where that is less (the last generated token is never fed back, so its K/V is
+    never stored). A bound not known (None: a replica's pool before it reported) does not
+    count; one of them must be known. Engine, RemoteEngine, submit's fit check and the
+    server's error text all ask here, so they cannot disagree by one."""
+    bounds = [b for b in (model_context, None if pool_tokens is None else pool_tokens + 1)
+              if b is not None]
+    if not bounds:
+        raise ValueError("context_limit: neither the model's context nor the pool is known")
+    return min(bounds)
 
 
 @runtime_checkable
@@ -38,7 +51,7 @@ class EngineClient(Protocol):
 
     @property
     def max_context(self) -> int:
-        """Prompt + generated tokens one request may hold."""
+        """Prompt + generated tokens one request may hold (``context_limit``)."""
         ...
 
     @property
@@ -60,10 +73,9 @@ class EngineClient(Protocol):
         ...
 
     def num_waiting(self) -> int:
-        """Requests submitted and not yet running."""
+        """Requests submitted and not yet running: queued (what ``--max-queued`` counts)."""
         ...
 
     def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...
-

@@ -1,9 +1,12 @@
-"""RequestHandle: what ``Engine.submit`` returns, and the one way every caller waits.
+"""RequestHandle: what ``EngineClient.submit`` returns, and the one way every caller waits;
+HandleSink: its other end, where the request's producer puts its events.
 
-The engine loop thread puts a request's events here (text deltas of a stream, then one final
-``Done`` or ``Failed``); the caller takes them from any thread (``result``, iteration) or
-coroutine (``aresult``, ``async for``). ``generate``, ``stream``, their async forms, chat
-sessions and ``fork`` are all built on it, so aborts and errors are handled in one place.
+``RequestHandle.open`` makes the pair. The producer (the engine loop thread, or
+``RemoteEngine`` relaying a replica's stream) puts text deltas, then one final output or
+error, into the sink; the caller takes them from the handle in any thread (``result``,
+iteration) or coroutine (``aresult``, ``async for``). ``generate``, ``stream``, their async
+forms, chat sessions and ``fork`` are all built on it, so aborts and errors are handled in one
+place, and no producer builds the final events by hand.
 """
 
 from __future__ import annotations
@@ -15,9 +18,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from engine.model.sampler import TokenLogprob
-from engine.serving.errors import EngineDeadError
-from engine.serving.outputs import RequestOutput
+from engine.api.errors import EngineDeadError
+from engine.api.outputs import RequestOutput, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,15 @@ class RequestHandle:
     event; once that loop is closed, delivery fails and the engine aborts the request (nobody
     is left to hear of it).
     """
+
+    @classmethod
+    def open(
+        cls, request_id: int, abort: Callable[[int], None]
+    ) -> tuple[RequestHandle, HandleSink]:
+        """A new request's handle (for its caller) and sink (for its producer); ``abort`` is
+        called with ``request_id`` when the caller gives up before the end."""
+        handle = cls(request_id, abort)
+        return handle, HandleSink(handle)
 
     def __init__(self, request_id: int, abort: Callable[[int], None]) -> None:
         self.id = request_id
@@ -159,11 +170,11 @@ class RequestHandle:
             if not isinstance(event, Delta):
                 return event
 
-    # ------------------------------------------------------------------ the loop's side
+    # ------------------------------------------------------------------ the sink's side
 
-    def put(self, event: Event) -> None:
-        """Deliver an event (the engine loop thread; never blocks). Raises RuntimeError when
-        the caller's event loop is closed."""
+    def _deliver(self, event: Event) -> None:
+        """Deliver an event (``HandleSink.put``; never blocks). Raises RuntimeError when the
+        caller's event loop is closed."""
         with self._lock:
             self._events.append(event)
             if not isinstance(event, Delta):
@@ -206,6 +217,39 @@ class RequestHandle:
                     return self._take()
                 waiter = self._waiter = loop.create_future()
             await waiter
+
+
+class HandleSink:
+    """Where one request's producer puts its events: deltas, then ``finish`` or ``fail``,
+    once (what comes after the final event is never read). Any thread; never blocks. Each
+    call raises RuntimeError when the caller's event loop is closed (nobody is left to
+    hear, so the producer aborts the request)."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self._handle = handle
+
+    @property
+    def finished(self) -> bool:
+        """True once the final event was put."""
+        return self._handle.finished
+
+    def put(self, event: Event) -> None:
+        """Any event, as it is (a producer that queues its events before delivering them)."""
+        self._handle._deliver(event)
+
+    def delta(self, delta: Delta) -> None:
+        """New text of a streaming request."""
+        self._handle._deliver(delta)
+
+    def finish(self, output: RequestOutput) -> None:
+        """The request ended (stop, length or abort) with ``output``."""
+        self._handle._deliver(Done(output))
+
+    def fail(self, error: BaseException) -> None:
+        """The request failed; its caller gets ``error`` raised."""
+        self._handle._deliver(Failed(error))
 
 
 class TextStream:

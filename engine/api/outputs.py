@@ -1,11 +1,43 @@
-"""What a finished request hands back to its caller."""
+"""What a request hands back to its caller: its output, the log-probabilities of its tokens
+and the tool calls its reply made. Records only, so a front end (or a replica's caller) reads
+them without loading the model."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
-from engine.model.sampler import TokenLogprob
-from engine.serving.tools import ToolCall
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """The log-probability of a generated token under the model, and its best alternatives.
+
+    Log-probabilities are of the model's own distribution (log-softmax of the raw logits),
+    before temperature and filters, so they mean the same for every request (vLLM's default).
+    ``top`` holds ``(token_id, logprob)`` of the most likely tokens, best first; ``rank`` is
+    the token's place among them all (1: none is more likely; vLLM's rank).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+    rank: int = 1
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """One call the model made: ``arguments`` is the JSON text of the arguments, as OpenAI's
+    ``function.arguments`` carries it."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 class RequestOutput(msgspec.Struct, frozen=True):

@@ -112,8 +112,15 @@ class RemoteEngine:
         handle, sink = RequestHandle.open(request_id, self._abort)
         task = asyncio.get_running_loop().create_task(self._pump(call, sink))
         self._running[request_id] = task
-        task.add_done_callback(lambda _: self._running.pop(request_id, None))
+        task.add_done_callback(lambda _: self._ended(request_id, sink))
         return handle
+
+    def _ended(self, request_id: int, sink: HandleSink) -> None:
+        """A request's pump is done. One cancelled before it first ran (aborted at once)
+        never reached its own ``except``: its handle still gets its end."""
+        self._running.pop(request_id, None)
+        if not sink.finished:
+            sink.fail(RuntimeError("aborted"))
 
     async def _pump(self, call: EngineCall, sink: HandleSink) -> None:
         stream = self._stream(call)

@@ -33,7 +33,7 @@ from engine.api import (
     EngineStats,
     Event,
     Failed,
-    RequestHandle,
+    HandleSink,
     RequestOutput,
     TokenLogprob,
 )
@@ -61,7 +61,7 @@ class Job:
 
     request: Request
     detokenizer: IncrementalDetokenizer
-    handle: RequestHandle
+    sink: HandleSink  # where the caller's handle gets its deltas and its end
     stream: bool  # deliver text deltas, not only the final output
     # Log-probabilities of every generated token (requests that asked), and when each came.
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -415,7 +415,7 @@ class EngineLoop:
             outbox, self._outbox = self._outbox, []
             for job, event in outbox:
                 try:
-                    job.handle.put(event)
+                    job.sink.put(event)
                 except Exception as exc:  # e.g. the caller's event loop is closed
                     if job.request.id in self._live:
                         self._fail(job, exc)
@@ -451,7 +451,7 @@ class EngineLoop:
         error.__cause__ = exc
         for job in [*self._live.values(), *pending]:
             try:
-                job.handle.put(Failed(error))
+                job.sink.put(Failed(error))
             except Exception:  # a caller whose event loop is gone needs no message
                 pass
         self._live.clear()

@@ -166,6 +166,26 @@ def test_queued_counts_what_no_replica_runs_yet_and_in_flight_everything_unanswe
     asyncio.run(run())
 
 
+def test_a_request_aborted_before_it_went_out_still_ends(front: Any) -> None:
+    """Aborted in the same tick it was submitted, its pump is cancelled before it first runs:
+    the handle must still get its end (it waited forever before)."""
+
+    async def stream(call: EngineCall) -> Any:
+        await asyncio.sleep(3600)
+        yield
+
+    remote = RemoteEngine(front, stream, lambda: None, lambda: None)
+
+    async def run() -> None:
+        handle = remote.submit("Hi", SamplingParams(max_new_tokens=2))
+        handle.abort()  # no await in between: the pump never started
+        with pytest.raises(RuntimeError, match="aborted"):
+            await asyncio.wait_for(handle.aresult(), timeout=5)
+        assert remote.num_in_flight() == 0
+
+    asyncio.run(run())
+
+
 def test_the_front_and_an_engine_bound_a_request_by_one_rule(front: Any) -> None:
     """The pool holds every token but the last generated one (``context_limit``)."""
     context = int(front.config.max_position_embeddings)

@@ -34,20 +34,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     protocol.check_chat_only(req)
     messages = protocol.conversation(req.messages)
     structure = protocol.structured_outputs(req)  # the format of a reply that is not a call
-    calling = False
-    if req.tools:
-        # rendered whatever tool_choice says
-        messages, functions = protocol.with_tool_section(messages, req.tools)
+    tools = protocol.tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if tools is not None:
+        messages = tools.render(messages)  # rendered whatever tool_choice says
         try:
-            constraint = tool_format.tool_constraint(
-                functions, req.tool_choice, req.parallel_tool_calls, reply=structure
-            )
+            structure = tools.constraint(structure)
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        calling = constraint is not structure  # tool_choice "none" leaves the reply's format
-        structure = constraint
-    elif req.tool_choice is not None:
-        raise invalid("tool_choice: only allowed when tools are given")
+    calling = tools is not None and tools.calling  # "none" leaves the reply's format
     ids = await state.encode(messages, "messages", [m["content"] for m in messages])
     if req.max_completion_tokens is not None:
         budget = TokenBudget("max_completion_tokens", req.max_completion_tokens)
@@ -69,7 +63,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
-        return EventStreamResponse(_stream(state, rid, req, choices, calling))
+        return EventStreamResponse(_stream(state, rid, req, choices, tools if calling else None))
     outputs = await wait(state, request, choices)
     if outputs is None:
         return Response(status_code=499)  # nobody is there to read it
@@ -77,12 +71,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     for c, o in zip(choices, outputs):
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
         reason = o.finish_reason
-        calls = tool_format.parse_tool_calls(o.text) if calling else None
-        cut = tool_format.cut_tool_calls(o.text) if calling and calls is None else []
-        if calls or cut:  # a call cut by max_tokens keeps its arguments as far as they got
+        calls, whole = tools.calls(o.text) if tools is not None else ([], False)
+        if calls:  # a call cut by max_tokens keeps its arguments as far as they got
             message = {"role": "assistant", "content": None,
-                       "tool_calls": [call.to_openai() for call in calls or cut]}
-            reason = "tool_calls" if calls else reason
+                       "tool_calls": [call.to_openai() for call in calls]}
+            reason = "tool_calls" if whole else reason
         items.append(
             _item(state, req, c, message, o.token_ids, o.logprobs or [], reason, key="message")
         )
@@ -118,7 +111,11 @@ def _item(
 
 
 async def _stream(
-    state: ServerState, rid: str, req: ChatRequest, choices: list[Choice], calling: bool = False
+    state: ServerState,
+    rid: str,
+    req: ChatRequest,
+    choices: list[Choice],
+    tools: tool_format.ToolUse | None = None,
 ) -> AsyncIterator[bytes]:
     """The role chunk of every choice, a chunk per delta, the usage chunk if asked, [DONE];
     an error after the first byte is sent in-band (the status line is long gone). With tools,
@@ -131,7 +128,7 @@ async def _stream(
     def chunk(item: dict[str, Any]) -> bytes:
         return sse(envelope(state, rid, "chat.completion.chunk", created, [item], per_chunk))
 
-    calls = {choice.index: _CallStream() for choice in choices} if calling else {}
+    calls = {choice.index: tools.stream() for choice in choices} if tools is not None else {}
     outputs: list[RequestOutput] = []
     try:
         for choice in choices:
@@ -152,8 +149,7 @@ async def _stream(
                 if u.output is None:
                     stream.hold(ids, lps)
                     continue
-                called = tool_format.parse_tool_calls(u.output.text) is not None
-                reason = "tool_calls" if called else u.output.finish_reason
+                reason = stream.finish(u.output).finish_reason
                 yield chunk(_item(state, req, u.choice, {}, ids, lps, reason))
                 outputs.append(u.output)
                 continue
@@ -175,69 +171,3 @@ async def _stream(
         yield sse(as_api_error(exc).body())
     yield sse("[DONE]")
 
-
-class _CallStream:
-    """One choice's reply while it may be a call: held until its first characters decide,
-    then, for a call, OpenAI's deltas as the text grows: each call's id, type and name once,
-    then its arguments in the fragments that arrive (they join to the final arguments)."""
-
-    def __init__(self) -> None:
-        # the reply so far, read once, while it may be a call
-        self._scanner = tool_format.CallScanner()
-        self.is_call: bool | None = None
-        self._sent: list[tuple[str, int]] = []  # per call: its id, argument characters sent
-        self._held_ids: list[int] = []  # tokens of updates that sent no chunk yet
-        self._held_lps: list[TokenLogprob] = []
-
-    @property
-    def calls_sent(self) -> bool:
-        return bool(self._sent)
-
-    def hold(self, ids: list[int], lps: list[TokenLogprob]) -> None:
-        """Keeps tokens no chunk carried, for the next chunk."""
-        self._held_ids, self._held_lps = ids, lps
-
-    def carry(
-        self, ids: list[int], lps: list[TokenLogprob]
-    ) -> tuple[list[int], list[TokenLogprob]]:
-        """The held tokens, then ``ids``/``lps``: the tokens the next chunk carries."""
-        ids, lps = [*self._held_ids, *ids], [*self._held_lps, *lps]
-        self._held_ids, self._held_lps = [], []
-        return ids, lps
-
-    @property
-    def held(self) -> str:
-        return self._scanner.text
-
-    def take_held(self) -> str:
-        """The text held while undecided, once: the reply turned out plain."""
-        text, self._scanner = self.held, tool_format.CallScanner()
-        return text
-
-    def reading(self, text: str) -> bool:
-        """Takes the next text; whether the reply is (still possibly) a call."""
-        if self.is_call is False:
-            return False
-        self._scanner.feed(text)
-        if self.held and not tool_format.is_call_reply(self.held):
-            self.is_call = False
-            return False
-        self.is_call = True if self.held else None
-        return True
-
-    def deltas(self) -> list[dict[str, Any]]:
-        out = []
-        text = self.held
-        for k, (name, start, end) in enumerate(self._scanner.spans()):
-            if k == len(self._sent):
-                self._sent.append((tool_format.new_call_id(), 0))
-                head = {"index": k, "id": self._sent[k][0], "type": "function",
-                        "function": {"name": name, "arguments": ""}}
-                out.append({"tool_calls": [head]})
-            call_id, sent = self._sent[k]
-            stop = len(text) if end is None else end
-            if start + sent < stop:
-                piece = {"index": k, "function": {"arguments": text[start + sent : stop]}}
-                out.append({"tool_calls": [piece]})
-                self._sent[k] = (call_id, stop - start)
-        return out

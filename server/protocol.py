@@ -166,29 +166,23 @@ def conversation(messages: list[ChatMessage], field: str = "messages") -> list[d
         if role == "tool" and not message.tool_call_id:
             raise invalid(f"{where}.tool_call_id: a tool message answers a call; give its id")
         if role == "assistant" and message.tool_calls:
-            text = tool_format.calls_text(_calls(message.tool_calls, where))
+            text = tool_format.RADIXKV.render_calls(_calls(message.tool_calls, where))
             out.append({"role": role, "content": text})
             continue
         out.append({"role": role, "content": _content_text(message, role, where)})
     return out
 
 
-def tool_functions(tools: Any) -> list[dict[str, Any]]:
-    """OpenAI's ``tools`` as the engine's functions, each ``parameters`` schema checked alone
-    (a 400 naming ``tools[i].function.parameters``)."""
+def tool_use(
+    tools: list[Any] | None, tool_choice: Any = None, parallel_tool_calls: bool = True
+) -> tool_format.ToolUse | None:
+    """The engine's tool use of a request (None: it sent no tools), the engine's errors as
+    400s naming the field (``tools[i].function.parameters``, ``tool_choice``). Chat and
+    ``/tokenize`` render with it, so their counts agree."""
     try:
-        return tool_format.check_tools(tools)
+        return tool_format.ToolUse.offered(tools or None, tool_choice, parallel_tool_calls)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-
-
-def with_tool_section(
-    messages: list[dict[str, str]], tools: Any
-) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
-    """The conversation as the model reads it beside ``tools`` (their section in the system
-    turn), and the functions; chat and ``/tokenize`` share it, so their counts agree."""
-    functions = tool_functions(tools)
-    return tool_format.with_tools(messages, functions), functions
 
 
 def _calls(calls: list[dict[str, Any]], where: str) -> list[tuple[str, str]]:

@@ -28,8 +28,9 @@ async def tokenize(state: ServerState, request: Request) -> Response:
         raise invalid("tools: only with 'messages' (they are rendered into the conversation)")
     if req.messages is not None:
         messages = protocol.conversation(req.messages)
-        if req.tools:  # counted as the chat request counts them
-            messages, _ = protocol.with_tool_section(messages, req.tools)
+        tools = protocol.tool_use(req.tools)
+        if tools is not None:  # counted as the chat request counts them
+            messages = tools.render(messages)
         ids = await state.encode(messages, "messages", [m["content"] for m in messages])
     else:
         if not isinstance(req.prompt, str):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.api import RequestOutput, TextStream, abort_on_exit
 from engine.serving.prompts import Span, encode_text, encode_with_spans, render_with_spans
-from engine.serving.tools import offer_tools, with_parsed_calls, with_tools
+from engine.serving.tool_use import CallStream, ToolUse
 from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 
@@ -95,13 +95,10 @@ class ChatSession:
         self._messages: list[dict[str, str]] = (
             [{"role": "system", "content": system}] if system is not None else []
         )
-        self._tools = tools
-        self._tool_choice = tool_choice
-        if tools is None and tool_choice is not None:
-            raise ValueError("tool_choice: only allowed when tools are given")
-        if tools is not None:  # the tool section joins the system turn once, byte-stable
-            functions, [self._params] = offer_tools([params or SamplingParams()], tools, tool_choice)
-            self._messages = with_tools(self._messages, functions)
+        self._tool_use = ToolUse.offered(tools, tool_choice)
+        if self._tool_use is not None:  # the tool section joins the system turn once
+            [self._params] = self._tool_use.constrain([params or SamplingParams()])
+            self._messages = self._tool_use.render(self._messages)
         self._conversation_ids: list[int] = []  # last turn's prompt + reply tokens
         self.last_output: RequestOutput | None = None
         self.last_dropped_tokens = 0  # previous tokens not reused verbatim by the last turn
@@ -133,16 +130,24 @@ class ChatSession:
         the first ``next()``. ``role`` as for ``send``."""
         messages, ids = self._prepare_turn(text, role)
         params = self._params_for(params)
-        stream = TextStream(
-            lambda: self._engine.submit(ids, params, self._namespace, stream=True)
-        )
-        stream.on_output = lambda output: self._record(messages, ids, output)
+
+        def start() -> Any:
+            return self._engine.submit(ids, params, self._namespace, stream=True)
+
+        if self._tool_use is None or not self._tool_use.calling:
+            stream = TextStream(start)
+            stream.on_output = lambda output: self._record(messages, ids, output)
+            return stream
+        calls = self._tool_use.stream()  # the chat endpoint's reader of a streamed reply
+        stream = _ToolTurnStream(start, calls)
+        stream.on_output = lambda output: self._record(messages, ids, calls.finish(output),
+                                                       parsed=True)
         return stream
 
     def fork(self) -> ChatSession:
         """An independent copy of this session (same history, params and namespace)."""
         twin = ChatSession(self._engine, params=self._params, namespace=self._namespace)
-        twin._tools, twin._tool_choice = self._tools, self._tool_choice
+        twin._tool_use = self._tool_use
         twin._messages = self.messages
         twin._conversation_ids = list(self._conversation_ids)
         twin.last_output = self.last_output
@@ -170,14 +175,29 @@ class ChatSession:
         return messages, self._engine.encode(ids, "text")  # checked here, once
 
     def _record(self, messages: list[dict[str, str]], prompt_ids: list[int],
-                output: RequestOutput) -> RequestOutput:
+                output: RequestOutput, parsed: bool = False) -> RequestOutput:
         """Adds the turn to the history (unless aborted); the output as the caller gets it
-        (with tools, its calls parsed)."""
+        (with tools, its calls parsed, unless a stream's reader did: ``parsed``)."""
         if output.finish_reason == "abort":
             return output
-        if self._tools is not None:
-            output = with_parsed_calls(output)
+        if self._tool_use is not None and not parsed:
+            output = self._tool_use.parse(output)
         self._messages = [*messages, {"role": "assistant", "content": output.text}]
         self._conversation_ids = list(prompt_ids) + list(output.token_ids)
         self.last_output = output
         return output
+
+
+class _ToolTurnStream(TextStream):
+    """A streamed turn with tools: every text delta also goes to the turn's ``CallStream``,
+    which reads the reply as the chat endpoint reads a streamed choice."""
+
+    def __init__(self, start: Any, calls: CallStream) -> None:
+        super().__init__(start)
+        self._calls = calls
+
+    def __next__(self) -> str | RequestOutput:
+        item = super().__next__()
+        if isinstance(item, str):
+            self._calls.reading(item)
+        return item

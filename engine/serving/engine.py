@@ -33,7 +33,7 @@ from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.kv_tiers import build_tiers
 from engine.serving.loop import EngineLoop, Job
 from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text, split_prompts
-from engine.serving.tools import offer_tools, with_parsed_calls, with_tools
+from engine.serving.tool_use import CONVERSATIONS_ONLY, ToolUse
 from engine.serving.validation import check_token_ids
 from radix import KVEvent, KVManager
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -224,10 +224,9 @@ class Engine:
         or ``{"type": "function", "function": {"name": ...}}``; a reply that calls them has
         ``tool_calls`` and finish_reason "tool_calls".
         """
-        if tools is not None:
-            return self._generate_with_tools(prompts, params, namespace, tools, tool_choice)
-        if tool_choice is not None:
-            raise ValueError("tool_choice: only allowed when tools are given")
+        tool_use = ToolUse.offered(tools, tool_choice)
+        if tool_use is not None:
+            return self._generate_with_tools(prompts, params, namespace, tool_use)
         handles: list[RequestHandle] = []
         with abort_on_exit(handles):  # interrupted (KeyboardInterrupt) or a submit failed
             for ids, p in self._prepare(prompts, params, namespace):
@@ -236,17 +235,17 @@ class Engine:
         return outputs_or_raise(events)
 
     def _generate_with_tools(
-        self, prompts: Any, params: ParamsArg, namespace: str | None, tools: Any, choice: Any
+        self, prompts: Any, params: ParamsArg, namespace: str | None, tool_use: ToolUse
     ) -> list[RequestOutput]:
         items = split_prompts(prompts)
         if not all(isinstance(p, list) and p and isinstance(p[0], Mapping) for p in items):
-            raise ValueError("prompts: tools are offered in conversations (lists of messages)")
+            raise ValueError(CONVERSATIONS_ONLY)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(items)
-        functions, constrained = offer_tools(params, tools, choice)
-        conversations = [with_tools(list(m), functions) for m in items]
+        constrained = tool_use.constrain(params)
+        conversations = [tool_use.render(m) for m in items]
         outs = self.generate(conversations, constrained, namespace)
-        return [with_parsed_calls(o) for o in outs]
+        return [tool_use.parse(o) for o in outs]
 
     def stream(
         self, prompt: Any, params: SamplingParams | None = None, namespace: str | None = None

@@ -7,8 +7,8 @@ a call is the model's whole reply, a compact JSON object ``{"tool_calls": [{"nam
 or a plain reply that does not start with ``{``, or one in the request's own format, e.g. the
 JSON schema of an agent's final answer). Everything is rendered byte-stable (fixed
 separators, arguments kept as the text the model generated), so an agent's step k+1 prompt
-begins with step k's prompt and reply and hits the cache. A model family with its own format
-plugs in the same way: a renderer and a parser.
+begins with step k's prompt and reply and hits the cache. This is ``tool_use.RADIXKV``, the
+one ``ToolFormat``; a model family with its own format plugs in there as another.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
-
-import msgspec
 
 from engine.api.outputs import ToolCall
 from engine.model.structured import JSON_LAYOUT, with_json_layout
@@ -366,24 +364,3 @@ def calls_text(calls: Sequence[tuple[str, str]]) -> str:
     ]
     return '{"tool_calls": [' + ", ".join(parts) + "]}"
 
-
-def offer_tools(
-    params: Sequence[Any], tools: Any, tool_choice: Any
-) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The functions of ``tools`` (checked once) and each of ``params`` constrained by
-    ``tool_choice`` (changed copies of the frozen params; one copy per distinct params)."""
-    functions = check_tools(tools)
-    copies: dict[int, Any] = {}
-    for p in params:
-        if id(p) not in copies:
-            structure = tool_constraint(functions, tool_choice, reply=p.structured_outputs)
-            copies[id(p)] = msgspec.structs.replace(p, structured_outputs=structure)
-    return functions, [copies[id(p)] for p in params]
-
-
-def with_parsed_calls(output: Any) -> Any:
-    """``output`` with its calls parsed (finish_reason "tool_calls"), or as it was."""
-    calls = parse_tool_calls(output.text)
-    if not calls:
-        return output
-    return msgspec.structs.replace(output, tool_calls=calls, finish_reason="tool_calls")

@@ -90,8 +90,10 @@ class RemoteEngine:
     def alive(self) -> bool:
         return not self._closed
 
-    def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
-        return self._prompts.encode(prompt, field)
+    def encode(
+        self, prompt: Any, field: str = "prompt", truncate_prompt_tokens: int | None = None
+    ) -> PromptIds:
+        return self._prompts.encode(prompt, field, truncate_prompt_tokens, self._pool_tokens())
 
     def submit(
         self,

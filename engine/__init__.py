@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # the names for type checkers (``X as X``: re-exported)
     from engine.serving.cli import run_command as run_command
     from engine.serving.engine import Engine as Engine
     from engine.serving.prompts import PromptPreparer as PromptPreparer
-    from engine.serving.prompts import kept_prompt as kept_prompt
     from scheduler import SamplingParams as SamplingParams
     from scheduler import StructuredOutputsParams as StructuredOutputsParams
 
@@ -50,8 +49,8 @@ _HOMES_BY_MODULE = {
     "engine.serving.chat": ("ChatSession", "continue_tokens"),
     # the commands (radixkv chat / generate; serve builds on them)
     "engine.serving.cli": ("build_parser", "engine_options", "run_command"),
-    # a front without the model: prompts encoded and checked, cut to fit
-    "engine.serving.prompts": ("PromptPreparer", "kept_prompt"),
+    # a front without the model: prompts encoded and checked
+    "engine.serving.prompts": ("PromptPreparer",),
     # models and the machine, for front ends and benchmarks
     "engine.model.loader": (
         "ModelFront", "load_front", "load_model", "load_hf_reference", "bundled_gguf_path",

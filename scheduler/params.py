@@ -69,6 +69,16 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True):
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+def check_truncate_prompt_tokens(k: object) -> None:
+    """``truncate_prompt_tokens``' one rule, for the params and for ``encode``, which keeps a
+    prompt's tail where a front end needs the kept ids before it builds the params."""
+    if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
+        raise ValueError(
+            f"truncate_prompt_tokens: must be None, an integer >= 1 or -1 (what the context "
+            f"holds), got {k!r}"
+        )
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     """How to pick tokens for one request. ``temperature=0`` is greedy; ``top_k=0`` is off."""
 
@@ -103,8 +113,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
-    # Keep only the prompt's last k tokens (vLLM's; -1: as many as the model's context
-    # holds, which leaves no room to generate): with k = context - max_new_tokens, a chat
+    # Keep only the prompt's last k tokens (vLLM's; -1: as many as the context holds, the
+    # model's or the KV pool's where less, which leaves no room to generate): with k = context - max_new_tokens, a chat
     # that outgrew the context goes on without its oldest turns.
     truncate_prompt_tokens: int | None = None
     # The output must match this (a JSON schema, a regex, ...): every step's logits are
@@ -194,12 +204,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(
                 f"priority: must be an integer in [-2**31, 2**31), got {self.priority!r}"
             )
-        k = self.truncate_prompt_tokens
-        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
-            raise ValueError(
-                f"truncate_prompt_tokens: must be None, an integer >= 1 or -1 (the model's "
-                f"context), got {k!r}"
-            )
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

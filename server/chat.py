@@ -17,7 +17,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import kept_prompt
 from engine import tools as tool_format
 from engine.api import RequestOutput, TokenLogprob
 from server import protocol
@@ -42,13 +41,13 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         except ValueError as exc:
             raise invalid(str(exc)) from None
     calling = tools is not None and tools.calling  # "none" leaves the reply's format
-    ids = await state.encode(messages, "messages", [m["content"] for m in messages])
+    texts = [m["content"] for m in messages]
+    ids = await state.encode(messages, "messages", texts, req.truncate_prompt_tokens)
     if req.max_completion_tokens is not None:
         budget = TokenBudget("max_completion_tokens", req.max_completion_tokens)
     else:
         budget = TokenBudget("max_tokens", req.max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    ids = kept_prompt(ids, req.truncate_prompt_tokens, state.engine.max_context)
     params = protocol.choice_params(
         req,
         budget.tokens(len(ids), state.engine.max_context),

@@ -16,7 +16,6 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import kept_prompt
 from engine.api import PromptIds, RequestOutput, TokenLogprob
 from server import protocol
 from server.errors import as_api_error
@@ -39,8 +38,11 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         await state.encode(p, f, [p] if isinstance(p, str) else [])
         for p, f in zip(prompts, fields)
     ]
-    context = state.engine.max_context
-    token_ids = [kept_prompt(ids, req.truncate_prompt_tokens, context) for ids in encoded]
+    keep = req.truncate_prompt_tokens  # cut by the engine's rule (echo tells cut from whole)
+    token_ids = encoded if keep is None else [
+        state.engine.encode(ids, f, truncate_prompt_tokens=keep)  # ids: taken as they are
+        for ids, f in zip(encoded, fields)
+    ]
     asked = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     # max_tokens 0 with echo scores the prompt only: one token is generated and dropped.
     budget = TokenBudget("max_tokens", max(asked, 1))

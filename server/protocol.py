@@ -397,7 +397,6 @@ def choice_params(
                 min_tokens=req.min_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,

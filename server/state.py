@@ -45,9 +45,16 @@ class ServerState:
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, "radixkv-tokenize")
         self._background: set[asyncio.Future[None]] = set()
 
-    async def encode(self, prompt: Any, field: str, texts: Sequence[str]) -> PromptIds:
-        """``engine.encode`` off the event loop: the prompt's ids, checked once, to be given
-        to ``engine.submit`` as they are. First a length bound that needs no tokenizer:
+    async def encode(
+        self,
+        prompt: Any,
+        field: str,
+        texts: Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+    ) -> PromptIds:
+        """``engine.encode`` off the event loop: the prompt's ids, checked once and cut to
+        the client's ``truncate_prompt_tokens`` by the engine's rule, to be given to
+        ``engine.submit`` as they are. First a length bound that needs no tokenizer:
         ``texts`` (the prompt's text parts) longer than any tokenization of the context are
         refused at once, so a few megabytes of text never occupy the tokenizing thread."""
         chars = sum(map(len, texts))
@@ -60,7 +67,11 @@ class ServerState:
             )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._tokenize, functools.partial(self.engine.encode, prompt, field=field)
+            self._tokenize,
+            functools.partial(
+                self.engine.encode, prompt, field=field,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+            ),
         )
 
     async def decode(self, ids: list[int], field: str) -> str:

@@ -57,9 +57,11 @@ class EngineClient(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
-        """The checked token ids of one prompt (text, ids or chat messages); ValueError
-        names ``field``."""
+    def encode(
+        self, prompt: Any, field: str = "prompt", truncate_prompt_tokens: int | None = None
+    ) -> PromptIds:
+        """The checked token ids of one prompt (text, ids or chat messages), their last
+        ``truncate_prompt_tokens`` (-1: ``max_context``); ValueError names ``field``."""
         ...
 
     def submit(

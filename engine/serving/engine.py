@@ -344,13 +344,19 @@ class Engine:
             tool_choice=tool_choice,
         )
 
-    def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
+    def encode(
+        self, prompt: Any, field: str = "prompt", truncate_prompt_tokens: int | None = None
+    ) -> PromptIds:
         """The token ids ``submit`` would run for ``prompt`` (a conversation rendered with the
         chat template), checked the same way; ValueError names ``field``. ``submit`` takes
-        them back without encoding or checking them again."""
+        them back without encoding or checking them again. ``truncate_prompt_tokens`` keeps
+        their tail as ``SamplingParams.truncate_prompt_tokens`` would (the same rule, the
+        same context): for a caller that needs the kept ids before it makes the params."""
         if self.closed:
             raise EngineDeadError("the engine is closed")
-        return self._prompts.encode(prompt, field)
+        return self._prompts.encode(
+            prompt, field, truncate_prompt_tokens, self._num_pages * self.page_size
+        )
 
     # ------------------------------------------------------------------------- state, shutdown
 

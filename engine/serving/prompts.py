@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from engine.api import PromptIds
+from engine.api import PromptIds, context_limit
 from engine.model.structured import Grammars
 from engine.serving.validation import (
     check_fits,
@@ -17,6 +17,7 @@ from engine.serving.validation import (
     is_token_id,
 )
 from scheduler import SamplingParams
+from scheduler.params import check_truncate_prompt_tokens
 
 # One prompt: text, token ids, or a conversation [{"role": ..., "content": ...}, ...].
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -208,7 +209,11 @@ IdsT = TypeVar("IdsT", bound=list[int])
 
 def kept_prompt(ids: IdsT, keep: int | None, context: int) -> IdsT:
     """The prompt as ``truncate_prompt_tokens`` keeps it: its last ``keep`` tokens (-1: what
-    the context holds), as the same kind of list (``PromptIds`` stay checked ids)."""
+    ``context`` holds: ``context_limit`` of the model and the pool, for every caller), as the
+    same kind of list (``PromptIds`` stay checked ids). The one place a prompt is cut: the
+    boundary's ``prepare`` for a request's params, ``encode`` for a front end that needs the
+    kept ids before it builds the params (the server's budget, echo, ``prompt_token_ids``)."""
+    check_truncate_prompt_tokens(keep)
     if keep is None:
         return ids
     keep = context if keep == -1 else keep
@@ -232,11 +237,12 @@ def prepare_prompts(
     if single and len(items) != 1:
         raise ValueError(f"prompt: expected one prompt, got a list of {len(items)}")
     params_list = check_params(params, len(items), vocab_size)
+    context = context_limit(max_context, pool_tokens)  # what -1 keeps, as ``encode``'s
     prepared = []
     for i, (item, p) in enumerate(zip(items, params_list)):
         field = "prompt" if len(items) == 1 else f"prompts[{i}]"
         ids = encode_prompt(tokenizer, item, vocab_size, field)
-        ids = kept_prompt(ids, p.truncate_prompt_tokens, max_context)
+        ids = kept_prompt(ids, p.truncate_prompt_tokens, context)
         check_fits(len(ids), p.max_new_tokens, max_context, pool_tokens, field)
         prepared.append((ids, p))
     return prepared
@@ -257,9 +263,21 @@ class PromptPreparer:
         # Structured outputs are compiled (once per distinct spec) when a request comes in.
         self.grammars = grammars if grammars is not None else Grammars(tokenizer)
 
-    def encode(self, prompt: Any, field: str = "prompt") -> PromptIds:
-        """Exactly one prompt's checked token ids; ValueError names ``field``."""
-        return encode_one(self.tokenizer, prompt, self.vocab_size, field)
+    def encode(
+        self,
+        prompt: Any,
+        field: str = "prompt",
+        truncate_prompt_tokens: int | None = None,
+        pool_tokens: int | None = None,
+    ) -> PromptIds:
+        """Exactly one prompt's checked token ids, their last ``truncate_prompt_tokens``
+        (-1: what the context, the model's or a pool of ``pool_tokens``, holds); ValueError
+        names ``field``."""
+        ids = encode_one(self.tokenizer, prompt, self.vocab_size, field)
+        if truncate_prompt_tokens is None:
+            return ids
+        context = context_limit(self.max_context, pool_tokens)
+        return kept_prompt(ids, truncate_prompt_tokens, context)
 
     def prepare(
         self, prompts: Any, params: Any, namespace: Any, pool_tokens: int, single: bool = False

@@ -13,7 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine import Engine, SamplingParams
-from engine.api import ToolCall
+from engine.api import ContextLengthError, ToolCall
 from engine.serving.tool_use import NO_TOOLS, ToolUse
 from server import create_app
 
@@ -114,3 +114,56 @@ def test_tool_choice_without_tools_is_refused_in_the_same_words_everywhere(
     reply = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": ASK}], "tool_choice": "required"})
     assert reply.status_code == 400 and reply.json()["error"]["message"] == NO_TOOLS
+
+
+LONG = "One, two, three, four, five, six, seven, eight, nine, ten. " * 4
+
+
+@pytest.fixture(scope="module")
+def small(loaded_fp32: Any) -> Any:
+    """An engine whose KV pool (8 pages of 4 tokens) is far below the model's context."""
+    with Engine(model=loaded_fp32, page_size=4, num_pages=8) as engine:
+        yield engine
+
+
+def test_truncating_to_minus_one_keeps_what_the_context_holds_in_python_and_over_http(
+    small: Engine,
+) -> None:
+    """-1 keeps ``max_context`` tokens (here the pool's bound, not the model's 8k context)
+    whichever door the request comes in by, and leaves no room to generate: both refuse
+    the same 33-token prompt."""
+    assert small.max_context == 33 < len(small.encode(LONG))
+    assert len(small.encode(LONG, truncate_prompt_tokens=-1)) == small.max_context
+    with pytest.raises(ContextLengthError) as refused:
+        small.generate(LONG, SamplingParams(max_new_tokens=1, truncate_prompt_tokens=-1))
+    assert refused.value.prompt_tokens == small.max_context
+    with TestClient(create_app(small)) as client:
+        reply = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": LONG}], "truncate_prompt_tokens": -1})
+    assert reply.status_code == 400
+    assert f"the prompt has {small.max_context};" in reply.json()["error"]["message"]
+
+
+def test_a_truncated_prompt_is_the_same_tokens_in_python_and_over_http(
+    engine: Engine, client: TestClient
+) -> None:
+    messages = [{"role": "user", "content": LONG}]
+    kept = engine.encode(messages, truncate_prompt_tokens=12)
+    assert kept == engine.encode(messages)[-12:]
+    [out] = engine.generate([messages], SamplingParams(max_new_tokens=2, temperature=0.0,
+                                                        truncate_prompt_tokens=12))
+    reply = client.post("/v1/chat/completions", json={
+        "messages": messages, "truncate_prompt_tokens": 12, "max_tokens": 2,
+        "temperature": 0, "return_token_ids": True}).json()
+    assert reply["prompt_token_ids"] == kept and reply["usage"]["prompt_tokens"] == 12
+    assert reply["choices"][0]["token_ids"] == out.token_ids
+
+
+def test_a_bad_truncation_is_refused_in_the_same_words_in_python_and_over_http(
+    engine: Engine, client: TestClient
+) -> None:
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: must be") as refused:
+        SamplingParams(truncate_prompt_tokens=0)
+    reply = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": ASK}], "truncate_prompt_tokens": 0})
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == str(refused.value)

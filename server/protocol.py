@@ -69,10 +69,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's extensions.
     top_k: int | None = None
     min_p: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    # None (not sent): SamplingParams' own default, as for every sampling field
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
@@ -341,6 +342,12 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The request's fields that are SamplingParams' under the same name, given as sent.
+PASSED_AS_SENT = (
+    "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+    "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty",
+    "frequency_penalty", "repetition_penalty",
+)
 RESPONSE_SCHEMA = "response_format.json_schema.schema"
 
 
@@ -378,35 +385,21 @@ def choice_params(
     if req.seed is not None and not 0 <= req.seed < 1 << 63:  # the engine's seed range
         # checked here: the per-choice seeds below wrap, and would hide a seed out of range
         raise invalid(f"seed: must be an integer in [0, 2**63), got {req.seed!r}")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    top_k = req.top_k if req.top_k is not None else 0
     seeds = [None] if req.seed is None else [(req.seed + j) % (1 << 63) for j in range(req.n)]
-    bias = logit_bias(req.logit_bias)
+    # what the client sent, as it sent it (SamplingParams reads vLLM's spellings: one stop
+    # string, top_k -1); a field not sent (or null) takes SamplingParams' own default
+    sent: dict[str, Any] = {
+        name: getattr(req, name) for name in PASSED_AS_SENT if getattr(req, name) is not None
+    }
+    if req.logit_bias is not None:
+        sent["logit_bias"] = logit_bias(req.logit_bias)
+    derived = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+               "structured_outputs": structure}
+    sent.update((name, value) for name, value in derived.items() if value is not None)
     try:
         made = [
-            SamplingParams(
-                max_new_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
-                min_p=0.0 if req.min_p is None else req.min_p,
-                seed=seed,
-                stop=stop,
-                stop_token_ids=list(req.stop_token_ids or []),
-                ignore_eos=req.ignore_eos,
-                min_tokens=req.min_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
-                frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-                repetition_penalty=(
-                    1.0 if req.repetition_penalty is None else req.repetition_penalty
-                ),
-                logit_bias=bias,
-                structured_outputs=structure,
-            )
+            SamplingParams(max_new_tokens=max_tokens, **sent,
+                           **({} if seed is None else {"seed": seed}))
             for seed in seeds
         ]
     except ValueError as exc:

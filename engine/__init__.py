@@ -8,7 +8,7 @@
 ``engine.api`` (the seam's types: outputs, the handle and its events, stats, errors,
 ``EngineClient``), nothing else (``tests/test_layering.py`` holds them to it). The names here
 are the engine itself, its commands, the front that encodes prompts without a model, models
-and the machine for benchmarks, and ``tools`` (tool use and its formats, as one namespace). They
+and the machine for benchmarks, and ``tools`` (the tool-call format, as one namespace). They
 load on first access, so importing a submodule (``engine.model.loader``) does not pull in the
 scheduler and the engine loop, and ``from engine import load_front`` does not load torch's
 model code beyond what the front needs.
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the names for type checkers (``X as X``: re-exported)
     from engine.model.loader import load_front as load_front
     from engine.model.loader import load_hf_reference as load_hf_reference
     from engine.model.loader import load_model as load_model
-    from engine.serving import tool_use as tools  # noqa: F401 (the namespace)
+    from engine.serving import tools as tools
     from engine.serving.chat import ChatSession as ChatSession
     from engine.serving.chat import continue_tokens as continue_tokens
     from engine.serving.cli import build_parser as build_parser
@@ -61,7 +61,7 @@ _HOMES_BY_MODULE = {
 }
 _HOMES = {name: module for module, names in _HOMES_BY_MODULE.items() for name in names}
 # Namespaces: a module under a name of its own.
-_MODULES = {"tools": "engine.serving.tool_use"}
+_MODULES = {"tools": "engine.serving.tools"}
 
 __all__ = sorted([*_HOMES, *_MODULES])
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.api import RequestOutput, TextStream, abort_on_exit
 from engine.serving.prompts import Span, encode_text, encode_with_spans, render_with_spans
-from engine.serving.tool_use import CallStream, ToolUse
+from engine.serving.tools import CallStream, ToolUse
 from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 

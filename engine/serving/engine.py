@@ -33,7 +33,7 @@ from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.kv_tiers import build_tiers
 from engine.serving.loop import EngineLoop, Job
 from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text, split_prompts
-from engine.serving.tool_use import CONVERSATIONS_ONLY, ToolUse
+from engine.serving.tools import CONVERSATIONS_ONLY, ToolUse
 from engine.serving.validation import check_token_ids
 from radix import KVEvent, KVManager
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig

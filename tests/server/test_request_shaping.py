@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from engine import Engine, SamplingParams
 from engine.api import ContextLengthError, ToolCall
-from engine.serving.tool_use import NO_TOOLS, ToolUse
+from engine.serving.tools import NO_TOOLS, ToolUse
 from server import create_app
 
 WEATHER = {

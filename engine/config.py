@@ -228,6 +228,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache size in bytes, e.g. 2G (default: 1G or an eighth of the memory on a CPU)")
     add("--max-running", type=int, metavar="N", help="requests running at once (default 64)")
     add("--max-batch-tokens", type=int, metavar="N", help="tokens per step (default 1024)")
+    add("--priority-aging-steps", type=int, metavar="N",
+        help="a waiting priority level gains one step of priority per N scheduler steps "
+        "(default 256; 0: never)")
     add("--policy", choices=POLICIES,
         help="order of waiting requests (default lpm: longest cached prefix first)")
     add("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,

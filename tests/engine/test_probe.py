@@ -60,6 +60,19 @@ def test_a_verdict_reached_without_the_native_kernels_is_not_remembered(
     assert not list(tmp_path.glob("*.json"))
 
 
+def test_a_child_that_ran_on_torchs_fallback_is_not_remembered(tmp_path: Path) -> None:
+    """The parent's kernels load, but a child's did not (its report says so): a bf16 timed on
+    the fallback (50x slow) must not pin float32 for every later engine."""
+
+    def fallback_child(dtype: str, limit: float | None) -> DtypeReport | None:
+        slow = dtype == "bfloat16"
+        return DtypeReport(1.8 if slow else 0.03, 1.0, True, 0.0, (), True, native=not slow)
+
+    found = probe(tmp_path, runner=fallback_child)
+    assert found.dtype == "float32"
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_a_crashing_bf16_probe_falls_back_to_float32(tmp_path: Path) -> None:
     assert run_child("bfloat16", None, code=SIGILL_CHILD) is None
 

@@ -28,6 +28,7 @@ import torch
 import xxhash
 
 from engine.model.attention.native import SOURCE as ATTENTION
+from engine.model.cpu import native_build
 from engine.model.cpu.machine import cache_root, machine_key
 from engine.model.cpu.products import SOURCE as PRODUCTS
 
@@ -56,6 +57,9 @@ class DtypeReport:
     error: float = 0.0
     failed: tuple[str, ...] = ()  # the invariance cases that differed
     accurate: bool = True  # error within invariance.TOLERANCE
+    # The child's forward ran our products and attention kernel (False: torch's fallback, a
+    # kernel that did not load there; such a report is not remembered)
+    native: bool = True
 
     @property
     def usable(self) -> bool:
@@ -69,6 +73,7 @@ class DtypeReport:
             "error": self.error,
             "failed": list(self.failed),
             "accurate": self.accurate,
+            "native": self.native,
         }
 
     @classmethod
@@ -83,6 +88,7 @@ class DtypeReport:
             float(data.get("error", 0.0)),  # type: ignore[arg-type]
             tuple(str(f) for f in failed),
             bool(data.get("accurate", True)),
+            bool(data.get("native", True)),
         )
 
 
@@ -130,9 +136,10 @@ def choose(reports: dict[str, DtypeReport | None]) -> str:
 
 
 def kernels_key() -> str:
-    """The native kernels' sources: a new version is probed again."""
+    """The native kernels' sources, their shared header and their loader: a new version of
+    any is probed again."""
     h = xxhash.xxh64()
-    for source in (PRODUCTS, ATTENTION):
+    for source in (PRODUCTS, ATTENTION, PRODUCTS.parent / "guard.h", Path(native_build.__file__)):
         h.update(source.read_bytes())
     return h.hexdigest()
 
@@ -178,9 +185,10 @@ def probe(
     limit = None if fp32 is None else SLOW_FACTOR * fp32.decode_s
     reports = {"float32": fp32, "bfloat16": runner("bfloat16", limit)}
     result = ProbeResult(choose(reports), reports)
-    if not kernels_loaded():
+    if not kernels_loaded() or any(r is not None and not r.native for r in reports.values()):
         # A verdict on torch's fallback (a kernel that did not build, or failed its self-test
-        # this time) is not kept: the key names the kernels' sources, not whether they loaded.
+        # this time, here or in a child) is not kept: the key names the kernels' sources, not
+        # whether they loaded (a child on the fallback timed bf16 50x slow, and float32 stuck).
         return result
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model import invariance
+from engine.model.attention.native import load_kernel
 from engine.model.cpu.probe import DtypeReport
 from engine.model.loader import LoadedModel, load_model
 from scheduler import SamplingParams
@@ -69,6 +70,7 @@ def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, ob
     if dtype != "float32":
         reference = invariance.reference_logits(load_model(None, "cpu", "float32"))
     report = invariance.check(loaded, reference)
+    native = loaded.model.products is not None and load_kernel() is not None
     return DtypeReport(
         decode_s,
         prefill_s,
@@ -76,4 +78,5 @@ def measure_in_process(dtype: str, limit_s: float | None = None) -> dict[str, ob
         report.max_error,
         report.failed,
         invariance.within_tolerance(report, getattr(torch, dtype)),
+        native,
     ).to_json()

@@ -77,6 +77,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
+    # Lower runs first (vLLM's); waiting ages it (the scheduler's priority_aging_steps).
+    priority: int | None = None
     # {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": lark} | {"json_object": true}
     structured_outputs: dict[str, Any] | None = None
     return_token_ids: bool = False
@@ -346,7 +348,7 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 PASSED_AS_SENT = (
     "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
     "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty",
-    "frequency_penalty", "repetition_penalty",
+    "frequency_penalty", "repetition_penalty", "priority",
 )
 RESPONSE_SCHEMA = "response_format.json_schema.schema"
 

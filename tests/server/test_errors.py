@@ -89,6 +89,8 @@ MATRIX = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "no-such-type"}}}]), 400, "tools[0].function.parameters"),
     (CHAT, chat(structured_outputs={"regex": "a("}), 400, "structured_outputs.regex"),
+    (CHAT, chat(priority=1 << 40), 400, "priority"),
+    (CHAT, chat(priority="high"), 400, "priority"),
     (CHAT, chat(structured_outputs={"regex": "a", "choice": ["b"]}), 400, "structured_outputs"),
     (CHAT, chat(structured_outputs={"grammar": "start: foo"}), 400, "structured_outputs.grammar"),
     (CHAT, chat(structured_outputs={"xml": "<a/>"}), 400, "structured_outputs.xml"),

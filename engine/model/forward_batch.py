@@ -173,7 +173,6 @@ class ForwardBatch:
     append_batch_indices: torch.Tensor | None = None
     append_positions: torch.Tensor | None = None
     host: HostTables | None = field(default=None)  # None: the tables are on the host already
-    num_scored: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -227,5 +226,4 @@ class ForwardBatch:
             append_batch_indices=tensors.get("append_batch_indices"),
             append_positions=tensors.get("append_positions"),
             host=host,
-            num_scored=index.num_scored,
         )

@@ -29,6 +29,7 @@ from engine.api import (
     PromptIds,
     RequestHandle,
     RequestOutput,
+    check_pin_ttl,
     context_limit,
 )
 
@@ -42,6 +43,7 @@ class EngineCall(msgspec.Struct, frozen=True):
     namespace: str | None
     stream: bool
     prompt: str = ""
+    pin_ttl: float | None = None  # pin the finished conversation on its replica
 
 
 Stream = Callable[[EngineCall], Any]  # an async iterator of Delta / RequestOutput
@@ -101,6 +103,7 @@ class RemoteEngine:
         params: SamplingParams | None = None,
         namespace: str | None = None,
         stream: bool = False,
+        pin_ttl: float | None = None,
     ) -> RequestHandle:
         """Validates here, as an Engine does (ValueError naming the field), and starts the
         remote request."""
@@ -109,7 +112,7 @@ class RemoteEngine:
         [(ids, p)] = self._prompts.prepare(prompt, params, namespace, pool, single=True)
         text = self.tokenizer.decode(ids)
         ids = ids if isinstance(ids, PromptIds) else PromptIds(ids)  # checked: replicas trust it
-        call = EngineCall(ids, p, namespace, stream, text)
+        call = EngineCall(ids, p, namespace, stream, text, check_pin_ttl(pin_ttl))
         request_id = next(self._ids)
         handle, sink = RequestHandle.open(request_id, self._abort)
         task = asyncio.get_running_loop().create_task(self._pump(call, sink))

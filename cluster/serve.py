@@ -148,7 +148,9 @@ class EngineReplica:
     async def generate(self, call: EngineCall) -> AsyncIterator[Any]:
         """The engine's events for ``call``: ``Delta``s (when streaming), then the output.
         A cancelled stream (the client left) aborts the request."""
-        handle = self.engine.submit(call.token_ids, call.params, call.namespace, call.stream)
+        handle = self.engine.submit(
+            call.token_ids, call.params, call.namespace, call.stream, pin_ttl=call.pin_ttl
+        )
         with abort_on_exit([handle]):
             async for item in handle.events():
                 yield item

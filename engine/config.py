@@ -32,7 +32,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     ``kv_cache_bytes`` (default: 1 GiB or an eighth of the memory on the CPU, a share of the
     free memory on CUDA). Below it, evicted pages go to host memory (``kv_host_bytes``) and
     page files in ``kv_disk_dir`` (within ``kv_disk_bytes``: default half the free space, at
-    most 16 GiB). On the CPU, prefill-sized passes run on ``threads`` threads (None: every
+    most 16 GiB). Pins (``Engine.pin``, stored conversations) keep at most
+    ``max_pinned_fraction`` of the pool. On the CPU, prefill-sized passes run on ``threads`` threads (None: every
     core) and decode steps on one. ``batch_invariant`` (the CPU's default) makes greedy answers
     independent of the batch, the cache and the page size (on CUDA: FlashInfer's
     deterministic plan, verified on the device at start). ``cuda_graphs``: decode steps replay
@@ -52,6 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_host_bytes: int | None = None
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
+    max_pinned_fraction: float = 0.5
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
@@ -77,6 +79,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"scheduler: expected a SchedulerConfig, got {type(self.scheduler).__name__}"
             )
         self._check_tiers()
+        f = self.max_pinned_fraction
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"max_pinned_fraction: must be a number in [0, 1], got {f!r}")
 
     def _check_tiers(self) -> None:
         for name in ("kv_host_bytes", "kv_disk_bytes"):
@@ -254,6 +259,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="disk tier under the KV pool (kept across restarts; default: off)")
     add("--kv-disk-bytes", type=byte_size, metavar="SIZE",
         help="disk tier budget, e.g. 20G (default: half the free space, at most 16G)")
+    add("--max-pinned-fraction", type=float, metavar="F",
+        help="share of the KV pool pins may keep (stored conversations, Engine.pin; "
+        "default 0.5)")
 
 
 def from_args(args: argparse.Namespace, **defaults: Any) -> EngineConfig:

@@ -95,6 +95,7 @@ class PageStats:
     pins: int = 0
 
 
+    pins_released: int = 0  # pins ended by their lifetime, the budget or a need for pages
 class KVManager:
     """Owns the ``RadixCache`` and the ``PageAllocator`` of one KV pool of ``num_pages``.
 
@@ -187,6 +188,7 @@ class KVManager:
         self._listeners.append(listener)
 
     # ------------------------------------------------------------------ requests' KV
+            pins_released=self._pins.released,
 
     def match(self, tokens: Sequence[int], namespace: str | None = None) -> PrefixMatch:
         """The longest cached page-aligned prefix of ``tokens`` (nothing is locked)."""
@@ -361,6 +363,14 @@ class KVManager:
     def check(self, handles: Iterable[CacheHandle]) -> None:
         """Raise AssertionError unless every page is in exactly one place: free, the tree, or
         one of ``handles``' private tails (all live handles must be given), and each handle's
+    def release_oldest_pin(self) -> bool:
+        """End the oldest pin early (its pages are needed); False when there are none."""
+        return self._pins.release_oldest()
+
+    def next_pin_expiry(self) -> float | None:
+        """When the first live pin's lifetime ends (None: no pins)."""
+        return self._pins.next_expiry()
+
         tree part is exactly the path to its locked node."""
         tree, allocator, p = self._tree, self._allocator, self._page_size
         tree.check_invariants()

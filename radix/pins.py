@@ -64,6 +64,19 @@ class PinTable:
         self.released += len(ended)
         return ended
 
+    def release_oldest(self) -> bool:
+        """Release the oldest pin (a request that cannot fit beside the pins needs its
+        pages); False when there are none."""
+        if not self.pins:
+            return False
+        self._release(next(iter(self.pins.values())))
+        self.released += 1
+        return True
+
+    def next_expiry(self) -> float | None:
+        """When the first live pin ends (None: no pins)."""
+        return min((pin.expires for pin in self.pins.values()), default=None)
+
     def pinned_pages(self) -> int:
         """Pages on the union of the pinned paths."""
         seen: set[int] = set()

@@ -317,7 +317,8 @@ class Scheduler:
         """Add ``n`` tokens of ``request`` to the plan, getting pages for them.
 
         A prefill chunk shrinks to the pages that can be had; when not even one token fits,
-        the newest running request is preempted until it does (or this one is the newest).
+        pins end (oldest first), then the newest running request is preempted until it does
+        (or this one is the newest).
         """
         p = self._page_size
         start = request.num_computed
@@ -327,6 +328,8 @@ class Scheduler:
             room = len(kv.pages) + self._kv.available
             n = max(1, min(n, room * p - start))
         while not self._kv.allocate(kv, start + n):
+            if self._kv.release_oldest_pin():
+                continue  # a pin gives way before a running request is preempted
             victim = self._preemption_victim()
             self._preempt(victim, plan)
             if victim is request:

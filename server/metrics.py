@@ -67,6 +67,11 @@ class EngineCollector(Collector):
             ("evicted_pages", "KV pages evicted from the prefix cache.", c.evicted_pages),
             ("request_failures", "Requests that failed with an error.", s.failed),
             (
+                "kv_pins_released",
+                "Pins ended early or on time: their lifetime, the budget, or pages needed.",
+                pages.pins_released,
+            ),
+            (
                 "spec_decode_num_drafts",
                 "Speculative decoding: drafts verified (one per request and step).",
                 c.spec_decode_num_drafts,
@@ -98,6 +103,12 @@ class EngineCollector(Collector):
             ("kv_pages_free", "KV pages on the free list.", pages.free),
             ("kv_pages_cached", "KV pages held by the prefix cache.", pages.cached),
             ("kv_pages_in_use", "KV pages private to running requests.", pages.private),
+            (
+                "kv_pages_pinned",
+                "KV pages kept by pins (stored conversations, Engine.pin), part of cached.",
+                pages.pinned,
+            ),
+            ("kv_pins", "Live pins.", pages.pins),
             (
                 "kv_cache_usage_perc",
                 "Share of KV pages not free (0-1).",

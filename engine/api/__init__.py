@@ -21,6 +21,7 @@ from engine.api.handle import (
     abort_on_exit,
 )
 from engine.api.outputs import RequestOutput, TokenLogprob, ToolCall
+from engine.api.pins import PrefixPin, check_pin_ttl
 from engine.api.stats import EngineStats
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "Event",
     "Failed",
     "HandleSink",
+    "PrefixPin",
     "PromptIds",
     "RequestHandle",
     "RequestOutput",
@@ -40,5 +42,6 @@ __all__ = [
     "TokenLogprob",
     "ToolCall",
     "abort_on_exit",
+    "check_pin_ttl",
     "context_limit",
 ]

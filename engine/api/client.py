@@ -70,8 +70,11 @@ class EngineClient(Protocol):
         params: SamplingParams | None = None,
         namespace: str | None = None,
         stream: bool = False,
+        pin_ttl: float | None = None,
     ) -> RequestHandle:
-        """Queues one request (a prompt, or ``PromptIds`` from ``encode``); returns at once."""
+        """Queues one request (a prompt, or ``PromptIds`` from ``encode``); returns at once.
+        ``pin_ttl``: keep its prompt and output pinned in the KV pool of the engine that ran
+        it for that many seconds after it finishes (a conversation's next turn)."""
         ...
 
     def num_waiting(self) -> int:

@@ -56,7 +56,10 @@ class EngineStats(msgspec.Struct, frozen=True):
         kept = {name: getattr(self.tiers, name) for name in _TIER_COUNTERS}
         return EngineStats(
             counters=self.counters,
-            pages=dataclasses.replace(_zero(PageStats), evicted=self.pages.evicted),
+            pages=dataclasses.replace(
+                _zero(PageStats), evicted=self.pages.evicted,
+                pins_released=self.pages.pins_released,
+            ),
             tiers=dataclasses.replace(tiers, **kept),
             failed=self.failed,
             requests_running=0,

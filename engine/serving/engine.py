@@ -17,21 +17,25 @@ import torch
 from engine.api import (
     EngineDeadError,
     EngineStats,
+    PrefixPin,
     PromptIds,
     RequestHandle,
     RequestOutput,
     TextStream,
     abort_on_exit,
+    check_pin_ttl,
     context_limit,
 )
 from engine.api.handle import outputs_or_raise
+from engine.api.inspect import InspectSnapshot
 from engine.config import EngineConfig
 from engine.model.build import build_pool, build_runner, verified_invariant, warn_if_slow_dtype
 from engine.model.loader import LoadedModel, load_model
 from engine.model.structured import Grammars
 from engine.serving.detokenizer import IncrementalDetokenizer
+from engine.serving.inspection import InspectOrder
 from engine.serving.kv_tiers import build_tiers
-from engine.serving.loop import EngineLoop, Job
+from engine.serving.loop import EngineLoop, Job, PinOrder
 from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text, split_prompts
 from engine.serving.tools import CONVERSATIONS_ONLY, ToolUse
 from engine.serving.validation import check_token_ids
@@ -88,7 +92,10 @@ class Engine:
         self._dtype = loaded.dtype
         pool = build_pool(loaded, config)
         tiers = build_tiers(loaded, pool, config)
-        kv = KVManager(pool.num_pages, config.page_size, config.prefix_cache, tiers)
+        kv = KVManager(
+            pool.num_pages, config.page_size, config.prefix_cache, tiers,
+            config.max_pinned_fraction,
+        )
         runner = build_runner(loaded, pool, config, grammars)
         self._batch_invariant = runner.batch_invariant and verified_invariant(
             loaded, config.batch_invariant, runner
@@ -193,6 +200,7 @@ class Engine:
         params: SamplingParams | None = None,
         namespace: str | None = None,
         stream: bool = False,
+        pin_ttl: float | None = None,
     ) -> RequestHandle:
         """Queues one request and returns its handle at once: every other way in builds on it.
 
@@ -202,9 +210,30 @@ class Engine:
         thread: a bad request raises ValueError and nothing is queued. With ``stream=True``
         iterating the handle yields text deltas before the RequestOutput. ``handle.result()``
         (or ``await handle.aresult()``) waits for the output; ``handle.abort()`` stops it.
+        ``pin_ttl``: once the request finishes, its prompt and output stay pinned in the pool
+        for that many seconds (as ``pin`` does): a conversation's next turn finds them.
         """
         [(ids, p)] = self._prepare(prompt, params, namespace, single=True)
-        return self._submit_ids(ids, p, namespace, stream)
+        return self._submit_ids(ids, p, namespace, stream, check_pin_ttl(pin_ttl))
+
+    def pin(
+        self, prompt: Any, *, ttl: float, namespace: str | None = None,
+        timeout: float | None = 30.0,
+    ) -> PrefixPin:
+        """Keep the cached part of ``prompt`` (as for ``submit``; ``namespace`` as the requests
+        that cached it) in the KV pool for ``ttl`` seconds: other traffic cannot evict it.
+        Returns a ``PrefixPin`` whose ``tokens`` is how much was cached and pinned (0: none)
+        and whose ``unpin()`` ends it early. Pins share a budget, ``max_pinned_fraction`` of
+        the pool: past it the oldest pins end first. An ended pin's pages are ordinary
+        cached pages again (written down to the KV tiers when evicted, where there are
+        tiers)."""
+        [(ids, _)] = self._prepare(prompt, None, namespace, single=True)
+        order = PinOrder(list(ids), namespace, check_pin_ttl(ttl))
+        self._loop.pin(order)
+        pin = order.answer.result(timeout)
+        if pin is None or not pin.active:  # nothing cached, or alone over the budget
+            return PrefixPin(0, 0.0, lambda: None)
+        return PrefixPin(pin.length, pin.expires, lambda: self._loop.unpin(pin))
 
     def generate(
         self,
@@ -381,6 +410,18 @@ class Engine:
         this engine's greedy answers are verified batch-invariant."""
         return msgspec.structs.replace(self._loop.stats(), batch_invariant=self._batch_invariant)
 
+    def inspect(self, budget: int = 400, timeout: float | None = 30.0) -> InspectSnapshot:
+        """What the cache holds now, for the inspector: at most ``budget`` tree nodes
+        (breadth first, summarised below), the last admitted requests with why the rest of
+        each prompt was computed, and the stats, all taken on the loop thread between
+        passes (``InspectSnapshot.loop_s``: how long that took). Waits at most ``timeout``
+        seconds for the loop (a pass in progress finishes first)."""
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ValueError(f"budget: must be an int >= 0, got {budget!r}")
+        order = InspectOrder(budget)
+        self._loop.inspect(order)
+        return order.answer.result(timeout)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Blocks until no request is queued or running (and the page accounting was checked);
         False on timeout."""
@@ -424,6 +465,7 @@ class Engine:
         params: SamplingParams,
         namespace: str | None,
         stream: bool = False,
+        pin_ttl: float | None = None,
     ) -> RequestHandle:
         """Queues validated token ids (from ``_prepare``)."""
         request = Request(
@@ -435,7 +477,8 @@ class Engine:
             include_stop=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
         )
-        self._loop.submit(Job(request, detokenizer, sink, stream))
+        self._loop.submit(Job(request, detokenizer, sink, stream, pin_ttl=pin_ttl))
         return handle
+
 
 

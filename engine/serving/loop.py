@@ -18,6 +18,7 @@ Failure is contained at the smallest scope that is still safe:
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import warnings
@@ -42,8 +43,10 @@ from engine.model.cpu.threads import release_openmp_team
 from engine.model.runner import ModelRunner
 from engine.model.structured import GrammarError
 from engine.serving.detokenizer import IncrementalDetokenizer
+from engine.serving.inspection import InspectOrder, LoopInspection
 from engine.serving.stats import snapshot
 from radix import KVEvent
+from radix.pins import Pin
 from scheduler import Batch, Request, RequestState, Scheduler
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -53,6 +56,19 @@ PREFILL_SPEED_MIN_TOKENS = 64
 
 class RequestNotAdmittedError(RuntimeError):
     """The scheduler cannot admit a request even with nothing else running."""
+
+
+@dataclass(eq=False)
+class PinOrder:
+    """Pin the cached prefix of ``tokens`` in ``namespace`` for ``ttl`` seconds; the loop
+    answers on ``answer`` (the pin, or None when nothing of it is cached)."""
+
+    tokens: list[int]
+    namespace: str | None
+    ttl: float
+    answer: concurrent.futures.Future[Pin | None] = field(
+        default_factory=concurrent.futures.Future
+    )
 
 
 @dataclass(eq=False)
@@ -71,6 +87,9 @@ class Job:
     # Tokens generated since the last delta (their text may still be held back).
     unsent: int = 0
     delivered: bool = False  # a delta went out (the first carries the prompt's scores)
+    # Pin the request's tokens for this many seconds once it finishes (a stored conversation
+    # that should stay warm for its next turn); None: no pin.
+    pin_ttl: float | None = None
 
     def delta(self, text: str) -> Delta:
         """A delta with ``text`` and the tokens (and log-probabilities) not yet sent."""
@@ -113,6 +132,7 @@ class EngineLoop:
         self._failed = 0
         self._step_failures = 0
         self._stats: EngineStats = snapshot(scheduler, 0)
+        self._inspection = LoopInspection(scheduler)
         # The constructing thread loaded and checked the model: its idle OpenMP team would
         # slow every parallel region of the loop's (``release_openmp_team``).
         release_openmp_team()
@@ -137,6 +157,33 @@ class EngineLoop:
             if self._dead is not None or self._closing:
                 return
             self._inbox.append(("abort", request_id))
+            self._wake.notify()
+
+    def pin(self, order: PinOrder) -> None:
+        """Queues a pin; its answer comes on ``order.answer`` (EngineDeadError if the loop
+        stops first)."""
+        self._command("pin", order)
+
+    def unpin(self, pin: Pin) -> None:
+        """Ends ``pin`` on the loop's thread (no-op once the loop has stopped)."""
+        with self._lock:
+            if self._dead is not None or self._closing:
+                return
+            self._inbox.append(("unpin", pin))
+            self._wake.notify()
+
+    def _command(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            self._raise_if_stopped()
+            self._inbox.append((kind, payload))
+            self._wake.notify()
+
+    def inspect(self, order: InspectOrder) -> None:
+        """Queues a snapshot for the inspector; the loop answers on ``order.answer`` between
+        passes (the caller waits on it with a timeout)."""
+        with self._lock:
+            self._raise_if_stopped()
+            self._inbox.append(("inspect", order))
             self._wake.notify()
 
     def stats(self) -> EngineStats:
@@ -211,8 +258,15 @@ class EngineLoop:
                 kind, payload = self._taken.popleft()
                 if kind == "add":
                     self._add(payload)
-                else:
+                elif kind == "inspect":
+                    self._inspection.answer(payload, self._failed)
+                elif kind == "abort":
                     self._abort(payload)
+                elif kind == "pin":
+                    self._pin(payload)
+                else:
+                    self._scheduler.kv.unpin(payload)
+            self._expire_pins()
             if not self._has_work():
                 if not idle_checked:
                     self._scheduler.check_integrity()
@@ -223,6 +277,8 @@ class EngineLoop:
                 continue
             idle_checked = False
             batch = self._scheduler.schedule()
+            if batch is not None:
+                self._inspection.admitted(batch)
             if batch is None:
                 self._on_nothing_scheduled()
             else:
@@ -235,7 +291,14 @@ class EngineLoop:
     def _take_commands(self, wait: bool) -> tuple[list[tuple[str, Any]], bool]:
         with self._lock:
             while wait and not self._inbox and not self._closing:
-                self._wake.wait()
+                # Idle with pins: wake when the first one ends, so stats() stops counting it.
+                expiry = self._scheduler.kv.next_pin_expiry()
+                if expiry is None:
+                    self._wake.wait()
+                else:
+                    self._wake.wait(max(expiry - time.monotonic(), 0.0) + 0.001)
+                    if self._expire_pins():
+                        self._stats = snapshot(self._scheduler, self._failed)
             commands = list(self._inbox)
             self._inbox.clear()
             return commands, self._closing
@@ -261,10 +324,31 @@ class EngineLoop:
         self._scheduler.abort(request_id)
         self._complete(job)
 
+    def _pin(self, order: PinOrder) -> None:
+        try:
+            pin = self._scheduler.kv.pin(
+                order.tokens, order.namespace, order.ttl, time.monotonic()
+            )
+        except ValueError as exc:
+            order.answer.set_exception(exc)
+        else:
+            self._stats = snapshot(self._scheduler, self._failed)  # the caller sees its pin
+            order.answer.set_result(pin)
+
+    def _expire_pins(self) -> int:
+        kv = self._scheduler.kv
+        expiry = kv.next_pin_expiry()
+        if expiry is None:
+            return 0
+        now = time.monotonic()
+        return kv.expire_pins(now) if expiry <= now else 0
+
     def _on_nothing_scheduled(self) -> None:
         if self._scheduler.num_running == 0:
             # Waiting requests that cannot be admitted with nothing else running never will be.
             stuck = [j for j in self._live.values() if j.request.state == RequestState.WAITING]
+            if stuck and self._scheduler.kv.release_oldest_pin():
+                return  # pins give way to a request that cannot fit beside them: try again
             for job in stuck:
                 request = job.request
                 error = RequestNotAdmittedError(
@@ -397,6 +481,11 @@ class EngineLoop:
             logprobs=job.logprobs if request.params.logprobs is not None else None,
             prompt_logprobs=job.prompt_scores(),
         )
+        if job.pin_ttl is not None and request.finish_reason not in (None, "abort"):
+            # Cached at the finish (whole pages of prompt + output): kept for the next turn.
+            self._scheduler.kv.pin(
+                [*request.prompt, *request.output], request.namespace, job.pin_ttl, now
+            )
         self._outbox.append((job, Done(output)))
 
     def _fail(self, job: Job, error: BaseException) -> None:
@@ -441,6 +530,9 @@ class EngineLoop:
             commands = [*self._taken, *self._inbox]
             self._taken.clear()
             self._inbox.clear()
+        for kind, payload in commands:
+            if kind == "pin":  # its caller waits on the answer
+                payload.answer.set_exception(EngineDeadError("the engine stopped"))
         return [payload for kind, payload in commands if kind == "add"]
 
     def _die(self, exc: BaseException) -> None:

@@ -165,6 +165,11 @@ class KVManager:
         """The host/disk tiers under the pool (None: an evicted page is gone)."""
         return self._tiers
 
+    @property
+    def pins(self) -> list[Pin]:
+        """The live pins, oldest first (for reading: the inspector marks their paths)."""
+        return list(self._pins.pins.values())
+
     def tier_stats(self) -> TierStats | None:
         return None if self._tiers is None else self._tiers.stats()
 

@@ -30,6 +30,7 @@ from cluster.config import ClusterConfig
 from cluster.events import KVEventBatch, KVEventPublisher
 from cluster.hub import EventHub
 from cluster.index import KVIndex
+from cluster.inspect_board import InspectBoard
 from cluster.policy import CacheAware, RouteRequest
 from cluster.remote import EngineCall, RemoteEngine
 from cluster.replica_stats import ReplicaStats
@@ -39,6 +40,7 @@ from engine.api import abort_on_exit
 log = logging.getLogger("radixkv.cluster")
 
 HUB_NAMESPACE = "radixkv"
+INSPECT_EVERY_S = 1.0  # a replica's inspector snapshot, while someone watches
 _RAY_ROUTERS = {
     "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
     "prefix_affinity": (
@@ -64,10 +66,28 @@ def start_hub(name: str) -> Any:
 
 
 def stop_hub(name: str) -> None:
-    try:
-        ray.kill(_hub(name))
-    except ValueError:  # never started, or gone already
-        pass
+    for actor in (_hub, _board):  # the inspector's board lives and ends with the hub
+        try:
+            ray.kill(actor(name))
+        except ValueError:  # never started, or gone already
+            pass
+
+
+def start_board(hub_name: str) -> Any:
+    """The inspector's board (``InspectBoard``), named after the hub, created if missing."""
+    actor = ray.remote(num_cpus=0)(InspectBoard)
+    return actor.options(
+        name=_board_name(hub_name), namespace=HUB_NAMESPACE, get_if_exists=True,
+        lifetime="detached", max_restarts=-1,
+    ).remote()
+
+
+def _board(hub_name: str) -> Any:
+    return ray.get_actor(_board_name(hub_name), namespace=HUB_NAMESPACE)
+
+
+def _board_name(hub_name: str) -> str:
+    return f"{hub_name}-inspect"
 
 
 def close_replicas(name: str) -> None:
@@ -139,6 +159,7 @@ class EngineReplica:
         self._hub_name = hub_name
         self.hub = _hub(hub_name)
         ray.get(self.hub.publish_snapshot.remote(self.publisher.snapshot()))
+        self.board = _board(hub_name)
         self._stop = threading.Event()
         self._publisher = threading.Thread(
             target=self._publish_forever, name="radixkv-kv-events", daemon=True
@@ -157,9 +178,13 @@ class EngineReplica:
 
     def _publish_forever(self, interval_s: float = 0.02, stats_every_s: float = 0.5) -> None:
         last_stats = 0.0
+        last_snapshot = 0.0
         resync = False
         while not self._stop.wait(interval_s):
             try:
+                if time.monotonic() - last_snapshot >= INSPECT_EVERY_S:
+                    last_snapshot = time.monotonic()
+                    self._post_snapshot()
                 stats = self.engine.stats()
                 load = stats.requests_running + self.engine.num_waiting()
                 batch = self.publisher.drain(load)
@@ -184,10 +209,23 @@ class EngineReplica:
                 with contextlib.suppress(Exception):  # a restarted hub is a new actor
                     self.hub = _hub(self._hub_name)
 
+    def _post_snapshot(self) -> None:
+        """While someone watches the inspector: this engine's snapshot to the board (a
+        failure is logged and left to the next second: the KV events must go on)."""
+        try:
+            budget = ray.get(self.board.wanted.remote(), timeout=5)
+            if budget is not None:
+                self.board.post.remote(self.name, self.engine.inspect(budget, timeout=5))
+        except Exception:
+            log.exception("posting the inspector's snapshot failed")
+            with contextlib.suppress(Exception):  # a restarted board is a new actor
+                self.board = _board(self._hub_name)
+
     def __del__(self) -> None:
         if hasattr(self, "_stop"):
             self._stop.set()
             self.hub.forget.remote(self.name)
+            self.board.forget.remote(self.name)
         if hasattr(self, "engine"):
             self.engine.close()
 
@@ -206,6 +244,7 @@ class OpenAIFront:
 
         self._replicas = replicas
         self._hub = _hub(config.hub_name)
+        self._board = _board(config.hub_name)
         self._page_size = config.engine.page_size
         self._stats = ReplicaStats()
         self.engine = RemoteEngine(
@@ -246,6 +285,10 @@ class OpenAIFront:
     def _summed_stats(self) -> Any:
         return self._stats.total()
 
+    def _replica_snapshots(self, budget: int) -> dict[str, Any]:
+        """The replicas' latest inspector snapshots (they post them while someone reads)."""
+        return ray.get(self._board.read.remote(budget), timeout=10)
+
     def __serve_build_asgi_app__(self) -> Any:
         from starlette.requests import Request
         from starlette.responses import JSONResponse
@@ -253,7 +296,7 @@ class OpenAIFront:
 
         from server import create_app
 
-        app = create_app(self.engine, self._server)
+        app = create_app(self.engine, self._server, snapshots=self._replica_snapshots)
         self._state = app.state.server
 
         async def replicas(request: Request) -> JSONResponse:
@@ -388,6 +431,7 @@ def build_app(config: ClusterConfig) -> Any:
     """The Serve application: the front end bound to ``config.replicas`` engine replicas.
     Call after ``ray.init`` (the hub actor is started here)."""
     start_hub(config.hub_name)
+    start_board(config.hub_name)
     replicas = EngineReplica.options(
         num_replicas=config.replicas,
         max_ongoing_requests=config.max_ongoing_requests,

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.api import EngineClient
-from server import chat, completions, models, probes, tokenization
+from server import chat, completions, inspect, models, probes, tokenization
 from server.access_log import AccessLog
 from server.config import ServerConfig
 from server.errors import APIError, as_api_error, not_found
@@ -36,10 +36,17 @@ Endpoint = Callable[[ServerState, Request], Awaitable[Response]]
 __all__ = ["ServerConfig", "create_app"]
 
 
-def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Starlette:
+def create_app(
+    engine: EngineClient,
+    config: ServerConfig | None = None,
+    snapshots: inspect.SnapshotSource | None = None,
+) -> Starlette:
     """The OpenAI-compatible ASGI app over ``engine`` (an ``Engine``, or a ``RemoteEngine``
-    in front of replicas); serve it with uvicorn, or mount it."""
+    in front of replicas); serve it with uvicorn, or mount it. ``snapshots``: where the
+    inspector's snapshots come from (default: ``engine.inspect``; the replicas' front passes
+    the ones they post)."""
     state = ServerState(engine, config or ServerConfig())
+    inspector = inspect.Inspector(engine, snapshots)
 
     def api(path: str, endpoint: Endpoint, method: str) -> Route:
         """A route whose every failure is OpenAI's error JSON."""
@@ -67,6 +74,9 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Star
         api("/detokenize", tokenization.detokenize, "POST"),
         probe("/health", probes.health),
         probe("/metrics", probes.metrics),
+        api("/inspect", inspect.page, "GET"),
+        api("/inspect/state", inspector.state, "GET"),
+        api("/inspect/{asset}", inspect.page, "GET"),
     ]
     app = Starlette(
         routes=routes,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine import EngineConfig, build_parser, engine_options, run_command
 from server.config import ServerConfig
+from server.inspect_cli import add_inspect, run_inspect
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
@@ -70,6 +71,12 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
     )
     serve.add_argument(
+        "--inspect-public",
+        action="store_true",
+        help="answer the cache inspector (/inspect) beyond loopback too (default: loopback "
+        "clients only; /inspect/state needs the API key either way)",
+    )
+    serve.add_argument(
         "--log-requests",
         default="on",
         choices=["on", "off"],
@@ -95,6 +102,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         extra_model_names=names[1:],
         api_key=args.api_key,
         max_queued=args.max_queued,
+        inspect_public=args.inspect_public,
         # access lines are info: below that level they would be made only to be dropped
         log_requests=args.log_requests == "on" and args.log_level in ("info", "debug"),
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),
@@ -177,10 +185,18 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def add_server_commands(commands: argparse._SubParsersAction) -> None:
+    """``serve`` and ``inspect`` beside the engine's commands."""
+    add_serve(commands)
+    add_inspect(commands)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(add_serve).parse_args(argv)
+    args = build_parser(add_server_commands).parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "inspect":
+        return run_inspect(args)
     return run_command(args)
 
 

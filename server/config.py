@@ -25,6 +25,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # One INFO line per request on ``radixkv.access`` (method, path, status, time, tokens;
     # never the body): a client's 4xx leave a trace. ``serve --log-requests off`` drops it.
     log_requests: bool = True
+    # The cache inspector (/inspect, /inspect/state) answers loopback clients only unless
+    # this is set (``serve --inspect-public``): it shows what the cache holds.
+    inspect_public: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:

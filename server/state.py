@@ -13,8 +13,8 @@ import asyncio
 import concurrent.futures
 import functools
 import time
-from collections.abc import Awaitable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from engine.api import EngineClient, PromptIds, RequestOutput
 from server import access_log
@@ -22,6 +22,9 @@ from server.config import ServerConfig
 from server.errors import invalid
 from server.metrics import ServerMetrics
 from server.tokens import TokenTexts
+from server.traffic import TrafficLog
+
+T = TypeVar("T")
 
 
 class ServerState:
@@ -31,6 +34,7 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics(engine, config.model_name)
+        self.traffic = TrafficLog()  # the inspector's last minutes
         self.texts = TokenTexts(engine.tokenizer)
         self.created = int(time.time())
         # Shutting down (replicas' SIGTERM): new requests get a 503, those in flight finish.
@@ -83,10 +87,18 @@ class ServerState:
 
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, decode)
 
+    async def on_tokenizer(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` on the tokenizing thread (the one thread that may use the
+        tokenizer), awaited without holding the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize, functools.partial(call, *args)
+        )
+
     def observe(self, output: RequestOutput) -> None:
         """One finished engine request, seen once: the metrics and the request's access
         line count its tokens."""
         self.metrics.observe(output)
+        self.traffic.observe(output)
         access_log.count(completion=len(output.token_ids))
 
     def in_background(self, coroutine: Awaitable[None]) -> None:

@@ -1,0 +1,201 @@
+"""The inspector's JSON (``GET /inspect/state``) made from the engines' snapshots.
+
+The snapshots (``engine.api.InspectSnapshot``, one per engine or replica) hold token ids and
+namespaces as the loop saw them; here they become what a viewer may see: each node's and
+request's label is the decoded start of its text, shown only for the default namespace and
+the namespaces whose ``cache_salt`` the viewer sent (a salt is a tenant's key to its cache,
+so it is never printed: a namespace is named by a digest of it). The replicas' request rings
+merge into one list, newest first, each request with the replica that served it (where the
+router sent it). Plain builtins out, for ``msgspec.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import msgspec
+
+LABEL_CHARS = 48
+ROUTES_SHOWN = 40
+TOP_PREFIXES = 10
+
+
+def namespace_id(name: str | None) -> str:
+    """How a namespace is shown: ``default``, or a digest of its salt (never the salt)."""
+    if name is None:
+        return "default"
+    return "tenant-" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:10]
+
+
+def label_sources(snapshots: Mapping[str, Any], salts: Collection[str]) -> list[list[int]]:
+    """Every token-id run that needs decoding, in the order ``build_state`` reads them back:
+    visible nodes' heads, then visible requests' heads newest first, replica by replica."""
+    runs: list[list[int]] = []
+    for snapshot in snapshots.values():
+        names = [ns.name for ns in snapshot.tree.namespaces]
+        runs.extend(
+            node.head for node in snapshot.tree.nodes if _visible(names[node.namespace], salts)
+        )
+        runs.extend(r.head for r in reversed(snapshot.requests) if _visible(r.namespace, salts))
+    return runs
+
+
+def build_state(
+    snapshots: Mapping[str, Any],
+    salts: Collection[str],
+    labels: list[str],
+    traffic: list[Any],
+) -> dict[str, Any]:
+    """The page's state: one entry per replica, the merged request routes, the totals and
+    the traffic buckets. ``labels`` are ``label_sources``' runs decoded, in order."""
+    texts = iter(labels)
+    replicas = []
+    routes = []
+    for name, snapshot in snapshots.items():
+        view = _replica(name, snapshot, salts, texts)
+        routes.extend({**row, "replica": name} for row in view["requests"])
+        replicas.append(view)
+    routes.sort(key=lambda row: row["at"], reverse=True)
+    totals = _totals([s.stats for s in snapshots.values()])
+    return {
+        "replicas": replicas,
+        "routes": routes[:ROUTES_SHOWN],
+        "totals": totals,
+        "top_prefixes": _top_prefixes(replicas),
+        "traffic": msgspec.to_builtins(traffic),
+        "viewer": {"namespaces": sorted(namespace_id(s) for s in salts)},
+    }
+
+
+def _visible(namespace: str | None, salts: Collection[str]) -> bool:
+    return namespace is None or namespace in salts
+
+
+def _label(text: str) -> str:
+    """One line, at most ``LABEL_CHARS`` characters (text only: the page never parses it)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= LABEL_CHARS else flat[: LABEL_CHARS - 1] + "\u2026"
+
+
+def _replica(name: str, snapshot: Any, salts: Collection[str], texts: Any) -> dict[str, Any]:
+    tree = snapshot.tree
+    names = [ns.name for ns in tree.namespaces]
+    namespaces = [
+        {
+            "id": namespace_id(ns.name),
+            "visible": _visible(ns.name, salts),
+            "hidden_children": ns.hidden_children,
+            "hidden_tokens": ns.hidden_tokens,
+        }
+        for ns in tree.namespaces
+    ]
+    nodes = []
+    for node in tree.nodes:
+        visible = _visible(names[node.namespace], salts)
+        nodes.append(
+            {
+                "ns": node.namespace,
+                "parent": node.parent,
+                "offset": node.offset,
+                "tokens": node.tokens,
+                "pages": node.pages,
+                "label": _label(next(texts)) if visible else None,
+                "recency": round(node.recency, 4),
+                "in_flight": node.in_flight,
+                "pinned": node.pinned,
+                "hidden_children": node.hidden_children,
+                "hidden_tokens": node.hidden_tokens,
+            }
+        )
+    requests = []
+    for r in reversed(snapshot.requests):  # newest first
+        visible = _visible(r.namespace, salts)
+        requests.append(
+            {
+                "at": r.at,
+                "namespace": namespace_id(r.namespace),
+                "label": _label(next(texts)) if visible else None,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "missed_tokens": r.missed_tokens,
+                "boundary_tokens": r.boundary_tokens,
+                "reason": r.reason,
+            }
+        )
+    stats = snapshot.stats
+    return {
+        "name": name,
+        "taken_at": snapshot.taken_at,
+        "loop_ms": round(snapshot.loop_s * 1000, 3),
+        "running": stats.requests_running,
+        "waiting": stats.requests_waiting,
+        "pages": msgspec.to_builtins(stats.pages),
+        "tiers": msgspec.to_builtins(stats.tiers),
+        "counters": _counters(stats),
+        "tree": {
+            "total_nodes": tree.total_nodes,
+            "shown": len(tree.nodes),
+            "budget": tree.budget,
+            "page_size": tree.page_size,
+            "namespaces": namespaces,
+            "nodes": nodes,
+        },
+        "requests": requests,
+    }
+
+
+def _counters(stats: Any) -> dict[str, Any]:
+    c = stats.counters
+    return {
+        "requests": c.requests,
+        "prompt_tokens": c.prompt_tokens,
+        "cached_tokens": c.cached_tokens,
+        "pool_tokens": c.cached_tokens - c.cached_tokens_host - c.cached_tokens_disk,
+        "host_tokens": c.cached_tokens_host,
+        "disk_tokens": c.cached_tokens_disk,
+        "computed_tokens": c.prompt_tokens - c.cached_tokens,
+        "generated_tokens": c.generated_tokens,
+        "evicted_pages": stats.pages.evicted,
+        "restored_pages": stats.tiers.loaded_host + stats.tiers.loaded_disk,
+        "hit_rate": c.hit_rate,
+    }
+
+
+def _totals(stats: list[Any]) -> dict[str, Any]:
+    """The replicas' counters added up, the hit rate from the sums."""
+    rows = [_counters(s) for s in stats]
+    totals: dict[str, Any] = {
+        key: sum(row[key] for row in rows) for key in (rows[0] if rows else {}) if key != "hit_rate"
+    }
+    prompt = totals.get("prompt_tokens", 0)
+    totals["hit_rate"] = totals.get("cached_tokens", 0) / prompt if prompt else 0.0
+    return totals
+
+
+def _top_prefixes(replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The top-level branches holding the most tokens (shown nodes beneath them counted),
+    across replicas."""
+    found = []
+    for replica in replicas:
+        tree = replica["tree"]
+        nodes = tree["nodes"]
+        held = [node["tokens"] + node["hidden_tokens"] for node in nodes]
+        for i in range(len(nodes) - 1, -1, -1):  # children come after their parents
+            parent = nodes[i]["parent"]
+            if parent >= 0:
+                held[parent] += held[i]
+        for i, node in enumerate(nodes):
+            if node["parent"] == -1:
+                found.append(
+                    {
+                        "replica": replica["name"],
+                        "namespace": tree["namespaces"][node["ns"]]["id"],
+                        "label": node["label"],
+                        "tokens": held[i],
+                        "recency": node["recency"],
+                    }
+                )
+    found.sort(key=lambda row: row["tokens"], reverse=True)
+    return found[:TOP_PREFIXES]

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -93,9 +93,15 @@ class RemoteEngine:
         return not self._closed
 
     def encode(
-        self, prompt: Any, field: str = "prompt", truncate_prompt_tokens: int | None = None
+        self,
+        prompt: Any,
+        field: str = "prompt",
+        truncate_prompt_tokens: int | None = None,
+        continuing: Sequence[int] | None = None,
     ) -> PromptIds:
-        return self._prompts.encode(prompt, field, truncate_prompt_tokens, self._pool_tokens())
+        return self._prompts.encode(
+            prompt, field, truncate_prompt_tokens, self._pool_tokens(), continuing
+        )
 
     def submit(
         self,

@@ -25,7 +25,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.api import EngineClient
-from server import chat, completions, inspect, models, probes, tokenization
+from server import (
+    chat,
+    completions,
+    inspect,
+    models,
+    probes,
+    responses_api,
+    tokenization,
+)
 from server.access_log import AccessLog
 from server.config import ServerConfig
 from server.errors import APIError, as_api_error, not_found
@@ -68,6 +76,9 @@ def create_app(
     routes = [
         api("/v1/chat/completions", chat.create_chat_completion, "POST"),
         api("/v1/completions", completions.create_completion, "POST"),
+        api("/v1/responses", responses_api.create_response, "POST"),
+        api("/v1/responses/{response_id}", responses_api.get_response, "GET"),
+        api("/v1/responses/{response_id}", responses_api.delete_response, "DELETE"),
         api("/v1/models", models.list_models, "GET"),
         api("/v1/models/{model:path}", models.show_model, "GET"),
         api("/tokenize", tokenization.tokenize, "POST"),

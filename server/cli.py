@@ -71,6 +71,21 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
     )
     serve.add_argument(
+        "--response-store",
+        default=None,
+        metavar="PATH",
+        help="SQLite file of /v1/responses' stored conversations (default: "
+        "~/.cache/radixkv/responses.sqlite3; ':memory:' keeps them until exit)",
+    )
+    serve.add_argument(
+        "--response-ttl",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="keep a stored response's tokens pinned in the KV pool for S seconds, so the "
+        "conversation's next turn hits the cache (default 300; 0: no pin)",
+    )
+    serve.add_argument(
         "--inspect-public",
         action="store_true",
         help="answer the cache inspector (/inspect) beyond loopback too (default: loopback "
@@ -103,6 +118,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         max_queued=args.max_queued,
         inspect_public=args.inspect_public,
+        response_store=args.response_store,
+        response_ttl=args.response_ttl,
         # access lines are info: below that level they would be made only to be dropped
         log_requests=args.log_requests == "on" and args.log_level in ("info", "debug"),
         **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}),

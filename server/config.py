@@ -28,11 +28,22 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The cache inspector (/inspect, /inspect/state) answers loopback clients only unless
     # this is set (``serve --inspect-public``): it shows what the cache holds.
     inspect_public: bool = False
+    # /v1/responses: where stored responses live (None: ~/.cache/radixkv/responses.sqlite3;
+    # ":memory:" keeps them until the process ends), how many and how many bytes at most,
+    # and how long a stored conversation's tokens stay pinned in the KV pool (0: not pinned).
+    response_store: str | None = None
+    response_store_max: int = 100_000
+    response_store_bytes: int = 1 << 30
+    response_ttl: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("model_name: must not be empty")
-        for name in ("max_queued", "max_body_bytes", "max_choices"):
+        ttl = self.response_ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl < 1e9:
+            raise ValueError(f"response_ttl: must be a number of seconds >= 0, got {ttl!r}")
+        for name in ("max_queued", "max_body_bytes", "max_choices", "response_store_max",
+                     "response_store_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be an int >= 1, got {value!r}")

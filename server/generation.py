@@ -92,20 +92,24 @@ def submit(
     namespace: str | None,
     stream: bool,
     renames: Mapping[str, str] | None = None,
+    pin_ttl: float | None = None,
 ) -> list[Choice]:
     """Queues ``len(params)`` choices per prompt, all or nothing (what was queued is aborted
     if one fails). The ids go to the engine exactly as ``encode`` returned them, so they are
     not checked again; the engine checks what depends on the params (the stop ids against
     the vocabulary, the context fit), and its errors name ``fields[p]`` for prompt ``p``,
     and a field the request calls otherwise by the request's name (``renames``: the engine's
-    name -> the request's)."""
+    name -> the request's). ``pin_ttl``: each finished choice's tokens stay pinned that long
+    (a stored conversation)."""
     check_queue(state, len(prompts) * len(params))
     choices: list[Choice] = []
     try:
         for p, ids in enumerate(prompts):
             for j, sampling in enumerate(params):
                 try:
-                    handle = state.engine.submit(ids, sampling, namespace, stream=stream)
+                    handle = state.engine.submit(
+                        ids, sampling, namespace, stream=stream, pin_ttl=pin_ttl
+                    )
                 except ContextLengthError as exc:
                     raise budget.too_long(exc, fields[p]) from None
                 except ValueError as exc:  # the engine's namespace is the request's salt

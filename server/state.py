@@ -21,6 +21,7 @@ from server import access_log
 from server.config import ServerConfig
 from server.errors import invalid
 from server.metrics import ServerMetrics
+from server.response_store import ResponseStore, default_store_path
 from server.tokens import TokenTexts
 from server.traffic import TrafficLog
 
@@ -48,6 +49,11 @@ class ServerState:
         # safe to share between threads.
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, "radixkv-tokenize")
         self._background: set[asyncio.Future[None]] = set()
+        # Stored conversations of /v1/responses (SQLite, durable unless ":memory:").
+        self.responses = ResponseStore(
+            config.response_store or default_store_path(),
+            config.response_store_max, config.response_store_bytes,
+        )
 
     async def encode(
         self,
@@ -55,6 +61,7 @@ class ServerState:
         field: str,
         texts: Sequence[str],
         truncate_prompt_tokens: int | None = None,
+        continuing: Sequence[int] | None = None,
     ) -> PromptIds:
         """``engine.encode`` off the event loop: the prompt's ids, checked once and cut to
         the client's ``truncate_prompt_tokens`` by the engine's rule, to be given to
@@ -74,7 +81,7 @@ class ServerState:
             self._tokenize,
             functools.partial(
                 self.engine.encode, prompt, field=field,
-                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncate_prompt_tokens=truncate_prompt_tokens, continuing=continuing,
             ),
         )
 

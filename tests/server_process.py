@@ -40,6 +40,9 @@ class ServerProcess:
             *(["--log-level", log_level] if log_level else []),
             *args,
         ]
+        if "--response-store" not in args:  # not the user's ~/.cache: one store per process
+            self._store = tempfile.TemporaryDirectory(prefix="radixkv-responses-")
+            command += ["--response-store", os.path.join(self._store.name, "responses.sqlite3")]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready(ready_timeout)

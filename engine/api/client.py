@@ -8,6 +8,7 @@ both implement it, so the server cannot tell them apart.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -58,10 +59,16 @@ class EngineClient(Protocol):
     def alive(self) -> bool: ...
 
     def encode(
-        self, prompt: Any, field: str = "prompt", truncate_prompt_tokens: int | None = None
+        self,
+        prompt: Any,
+        field: str = "prompt",
+        truncate_prompt_tokens: int | None = None,
+        continuing: Sequence[int] | None = None,
     ) -> PromptIds:
         """The checked token ids of one prompt (text, ids or chat messages), their last
-        ``truncate_prompt_tokens`` (-1: ``max_context``); ValueError names ``field``."""
+        ``truncate_prompt_tokens`` (-1: ``max_context``); ValueError names ``field``.
+        ``continuing``: an earlier turn's prompt + reply ids that the conversation
+        ``prompt`` extends, kept verbatim where the rendered text agrees (cache hits)."""
         ...
 
     def submit(

@@ -18,52 +18,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.api import RequestOutput, TextStream, abort_on_exit
-from engine.serving.prompts import Span, encode_text, encode_with_spans, render_with_spans
+from engine.serving.prompts import continue_tokens, render_with_spans
 from engine.serving.tools import CallStream, ToolUse
 from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 
 if TYPE_CHECKING:
     from engine.api import EngineClient
-
-
-def continue_tokens(
-    tokenizer: Any,
-    previous_ids: Sequence[int],
-    full_text: str,
-    spans: Sequence[Span] | None = None,
-) -> tuple[list[int], int]:
-    """Token ids of ``full_text`` that start with as many of ``previous_ids`` as possible.
-
-    Returns (ids, reused): ``ids[:reused] == previous_ids[:reused]``. Text inside ``spans``
-    (callers' message contents) is encoded as plain text, never as control tokens.
-    """
-    previous = list(previous_ids)
-
-    def decode(ids: Sequence[int]) -> str:
-        return tokenizer.decode(
-            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-
-    keep = len(previous)
-    if not full_text.startswith(decode(previous)):
-        # Binary search for the longest prefix of the previous tokens whose text is a prefix.
-        lo, hi = 0, len(previous) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if full_text.startswith(decode(previous[:mid])):
-                lo = mid
-            else:
-                hi = mid - 1
-        keep = lo
-    offset = len(decode(previous[:keep]))
-    rest = full_text[offset:]
-    if spans is None:
-        tail = encode_text(tokenizer, rest, add_special_tokens=False) if rest else []
-    else:
-        shifted = [(max(s - offset, 0), e - offset) for s, e in spans if e > offset]
-        tail = encode_with_spans(tokenizer, rest, shifted)
-    return previous[:keep] + tail, keep
 
 
 class ChatSession:

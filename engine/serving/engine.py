@@ -374,7 +374,11 @@ class Engine:
         )
 
     def encode(
-        self, prompt: Any, field: str = "prompt", truncate_prompt_tokens: int | None = None
+        self,
+        prompt: Any,
+        field: str = "prompt",
+        truncate_prompt_tokens: int | None = None,
+        continuing: Sequence[int] | None = None,
     ) -> PromptIds:
         """The token ids ``submit`` would run for ``prompt`` (a conversation rendered with the
         chat template), checked the same way; ValueError names ``field``. ``submit`` takes
@@ -384,7 +388,7 @@ class Engine:
         if self.closed:
             raise EngineDeadError("the engine is closed")
         return self._prompts.encode(
-            prompt, field, truncate_prompt_tokens, self._num_pages * self.page_size
+            prompt, field, truncate_prompt_tokens, self._num_pages * self.page_size, continuing
         )
 
     # ------------------------------------------------------------------------- state, shutdown

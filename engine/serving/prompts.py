@@ -155,6 +155,45 @@ def encode_with_spans(tokenizer: Any, text: str, spans: Sequence[Span]) -> list[
     return ids
 
 
+def continue_tokens(
+    tokenizer: Any,
+    previous_ids: Sequence[int],
+    full_text: str,
+    spans: Sequence[Span] | None = None,
+) -> tuple[list[int], int]:
+    """Token ids of ``full_text`` that start with as many of ``previous_ids`` as possible.
+
+    Returns (ids, reused): ``ids[:reused] == previous_ids[:reused]``. Text inside ``spans``
+    (callers' message contents) is encoded as plain text, never as control tokens.
+    """
+    previous = list(previous_ids)
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    keep = len(previous)
+    if not full_text.startswith(decode(previous)):
+        # Binary search for the longest prefix of the previous tokens whose text is a prefix.
+        lo, hi = 0, len(previous) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if full_text.startswith(decode(previous[:mid])):
+                lo = mid
+            else:
+                hi = mid - 1
+        keep = lo
+    offset = len(decode(previous[:keep]))
+    rest = full_text[offset:]
+    if spans is None:
+        tail = encode_text(tokenizer, rest, add_special_tokens=False) if rest else []
+    else:
+        shifted = [(max(s - offset, 0), e - offset) for s, e in spans if e > offset]
+        tail = encode_with_spans(tokenizer, rest, shifted)
+    return previous[:keep] + tail, keep
+
+
 def encode_text(
     tokenizer: Any, text: str, add_special_tokens: bool = True, field: str = "prompt"
 ) -> list[int]:
@@ -269,11 +308,21 @@ class PromptPreparer:
         field: str = "prompt",
         truncate_prompt_tokens: int | None = None,
         pool_tokens: int | None = None,
+        continuing: Sequence[int] | None = None,
     ) -> PromptIds:
         """Exactly one prompt's checked token ids, their last ``truncate_prompt_tokens``
         (-1: what the context, the model's or a pool of ``pool_tokens``, holds); ValueError
-        names ``field``."""
-        ids = encode_one(self.tokenizer, prompt, self.vocab_size, field)
+        names ``field``. ``continuing``: a conversation's earlier turn as the engine ran it
+        (its prompt and reply ids); ``prompt`` (chat messages) extends it, and its ids are
+        kept verbatim as far as the rendered conversation agrees with them, as
+        ``ChatSession`` does: a reply re-tokenised could split otherwise and miss the cache."""
+        if continuing:
+            messages = check_messages(prompt, field)
+            text, spans = render_with_spans(self.tokenizer, messages, field)
+            ids, _ = continue_tokens(self.tokenizer, continuing, text, spans)
+            ids = PromptIds(check_token_ids(ids, self.vocab_size, field))
+        else:
+            ids = encode_one(self.tokenizer, prompt, self.vocab_size, field)
         if truncate_prompt_tokens is None:
             return ids
         context = context_limit(self.max_context, pool_tokens)

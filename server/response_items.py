@@ -1,0 +1,303 @@
+"""The Responses API's shapes: its request record, its input items as the chat messages the
+engine renders, its tools and text format as chat's, and the output items and usage of a
+response. Only shapes; ``responses_api`` runs the requests.
+
+Input items (``input`` as a string, or a list of items): messages (``role`` and ``content``, a
+string or ``input_text``/``output_text`` parts), ``function_call`` (a call the model made,
+sent back by the client) and ``function_call_output`` (its result). Consecutive calls become
+one assistant turn with ``tool_calls``, as chat has them, so both endpoints render a
+conversation alike and hit the same cache.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from engine import StructuredOutputsParams
+from engine import tools as tool_format
+from engine.api import RequestOutput, ToolCall
+from server.errors import invalid
+from server.protocol import SamplingFields
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+TEXT_FORMAT_SCHEMA = "text.format.schema"
+
+
+class ResponsesRequest(SamplingFields, kw_only=True):
+    """``POST /v1/responses`` (OpenAI's fields, and the sampling extensions chat has)."""
+
+    input: str | list[Any]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool = False
+    include: list[str] | None = None
+
+
+def check_request(req: ResponsesRequest) -> None:
+    """What this server refuses rather than ignores."""
+    if req.n != 1:
+        raise invalid(f"n: a response has one output; got n={req.n}", param="n")
+    if req.background:
+        raise invalid("background: not supported by this server", param="background")
+    if req.truncation not in (None, "disabled"):
+        raise invalid(
+            f"truncation: only 'disabled' is supported, got {req.truncation!r}",
+            param="truncation",
+        )
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise invalid("reasoning: this model does not reason; leave it unset", param="reasoning")
+    if req.stream_options is not None:
+        raise invalid("stream_options: not a field of the Responses API", param="stream_options")
+
+
+def input_messages(given: str | list[Any], field: str = "input") -> list[dict[str, Any]]:
+    """The input items as OpenAI chat messages (``server.protocol.ChatMessage``'s shape)."""
+    if isinstance(given, str):
+        if not given:
+            raise invalid(f"{field}: empty string; expected text or input items", param=field)
+        return [{"role": "user", "content": given}]
+    if not given:
+        raise invalid(f"{field}: empty list; expected at least one input item", param=field)
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(given):
+        where = f"{field}[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"{where}: expected an object (an input item)", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            call = {
+                "id": _text(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _text(item, "name", where),
+                    "arguments": _text(item, "arguments", where, empty=True),
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = _parts_text(output, f"{where}.output")
+            messages.append({
+                "role": "tool", "content": output,
+                "tool_call_id": _text(item, "call_id", where),
+            })
+        else:
+            raise invalid(
+                f"{where}.type: {kind!r} is not supported; expected 'message', "
+                "'function_call' or 'function_call_output'",
+                param=f"{where}.type",
+            )
+    return messages
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise invalid(
+            f"{where}.role: {role!r} is not supported; expected one of {list(MESSAGE_ROLES)}",
+            param=f"{where}.role",
+        )
+    content = item.get("content")
+    text = content if isinstance(content, str) else _parts_text(content, f"{where}.content")
+    return {"role": role, "content": text}
+
+
+def _parts_text(parts: Any, where: str) -> str:
+    if not isinstance(parts, list) or not parts:
+        raise invalid(f"{where}: expected a string or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise invalid(
+                f"{where}[{j}].type: {kind!r} is not supported; this model reads text parts "
+                "only (input_text, output_text)",
+                param=f"{where}[{j}].type",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}[{j}].text: expected a string", param=f"{where}[{j}].text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _text(item: dict[str, Any], key: str, where: str, empty: bool = False) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or (not value and not empty):
+        raise invalid(f"{where}.{key}: expected a non-empty string", param=f"{where}.{key}")
+    return value
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Responses' function tools (``{"type": "function", "name", "parameters", ...}``) as
+    chat's (``{"type": "function", "function": {...}}``)."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise invalid(
+                f"tools[{i}].type: {kind!r} is not supported; this server runs function tools",
+                param=f"tools[{i}].type",
+            )
+        function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters")}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """Responses' ``{"type": "function", "name": ...}`` as chat's; the strings as they are."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def text_format(text: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """``text.format``: plain text (None), ``json_object``, or ``json_schema`` (its schema
+    checked as chat's ``response_format`` is)."""
+    fmt = (text or {}).get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise invalid(f"{TEXT_FORMAT_SCHEMA}: expected a JSON schema object",
+                          param=TEXT_FORMAT_SCHEMA)
+        try:
+            tool_format.check_json_schema(schema, TEXT_FORMAT_SCHEMA)
+        except ValueError as exc:
+            raise invalid(str(exc), param=TEXT_FORMAT_SCHEMA) from None
+        return StructuredOutputsParams(json=schema)
+    raise invalid(
+        f"text.format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+        param="text.format.type",
+    )
+
+
+# ----------------------------------------------------------------------------- the output
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "message", "id": item_id, "status": status, "role": "assistant",
+        "content": [] if status == "in_progress" else [text_part(text)],
+    }
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+        "arguments": call.arguments, "status": status,
+    }
+
+
+def output_items(
+    output: RequestOutput, calls: list[ToolCall], whole: bool = True
+) -> list[dict[str, Any]]:
+    """The reply as output items: its calls (one item each; cut by ``max_output_tokens``:
+    ``whole`` False, their arguments as far as they got), or one message."""
+    if calls:
+        status = "completed" if whole else "incomplete"
+        return [call_item(new_id("fc"), call, status) for call in calls]
+    item = message_item(new_id("msg"), output.text)
+    if output.finish_reason == "length":
+        item["status"] = "incomplete"
+    return [item]
+
+
+def reply_message(output: RequestOutput, calls: list[ToolCall]) -> dict[str, Any]:
+    """The reply as a chat message, for the stored history."""
+    if calls:
+        return {"role": "assistant", "content": None,
+                "tool_calls": [call.to_openai() for call in calls]}
+    return {"role": "assistant", "content": output.text}
+
+
+def usage(output: RequestOutput) -> dict[str, Any]:
+    generated = len(output.token_ids)
+    return {
+        "input_tokens": output.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": output.cached_tokens},
+        "output_tokens": generated,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": output.prompt_tokens + generated,
+    }
+
+
+def status_of(output: RequestOutput | None) -> tuple[str, dict[str, str] | None]:
+    """The response's ``status`` and ``incomplete_details`` for how its request ended."""
+    if output is None:
+        return "in_progress", None
+    if output.finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    if output.finish_reason == "abort":
+        return "cancelled", None
+    return "completed", None
+
+
+def response_object(
+    req: ResponsesRequest,
+    response_id: str,
+    created_at: int,
+    model: str,
+    output: RequestOutput | None,
+    items: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The response object (``output`` None: in progress, as streams begin)."""
+    status, incomplete = status_of(output)
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": items,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": req.store,
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "text": req.text or {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [],
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "truncation": req.truncation or "disabled",
+        "usage": None if output is None else usage(output),
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }

@@ -1,0 +1,320 @@
+"""``/v1/responses``: OpenAI's Responses API, its conversations stored on the server.
+
+``POST`` runs one turn: the stored conversation of ``previous_response_id`` (its tenant's
+only), then this request's ``instructions`` and ``input`` items, rendered as chat renders a
+conversation; the previous turn's token ids are kept verbatim (``EngineClient.encode``'s
+``continuing``), so the turn finds the whole conversation in the cache. With ``store`` (the
+default) the turn is kept in the ``ResponseStore`` and its tokens stay pinned in the KV pool of
+the engine that ran it for ``ServerConfig.response_ttl`` seconds: the user's next turn, a
+minute later, still hits though other traffic came between. ``GET`` and ``DELETE
+/v1/responses/{id}`` read and remove a stored response; the tenant is the ``cache_salt``
+(query parameter), as it is in the body of a ``POST``.
+
+Streams are the Responses event stream: ``response.created``, ``response.in_progress``, an
+output item's ``added``/``done`` around its text deltas or its call's argument deltas,
+``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``); an error
+after the first byte is an in-band ``error`` event followed by ``response.failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.api import RequestOutput, ToolCall
+from server import protocol, response_items
+from server.checks import check_auth
+from server.errors import APIError, as_api_error, invalid, not_found
+from server.generation import TokenBudget, parse, submit
+from server.response_items import ResponsesRequest, new_id
+from server.response_store import StoredResponse, StoreFullError
+from server.state import ServerState
+from server.streaming import Choice, EventStreamResponse, sse, updates, wait
+
+
+class Turn:
+    """One ``POST /v1/responses`` on its way: what it continues, what it sends the engine."""
+
+    def __init__(self, req: ResponsesRequest, previous: StoredResponse | None) -> None:
+        self.req = req
+        self.tenant = req.cache_salt or ""
+        self.previous = previous
+        self.id = new_id("resp")
+        self.created_at = int(time.time())
+        self.history = [
+            *(previous.history if previous else []),
+            *response_items.input_messages(req.input),
+        ]
+        tools = response_items.chat_tools(req.tools)
+        self.tools = protocol.tool_use(
+            tools, response_items.chat_tool_choice(req.tool_choice), req.parallel_tool_calls
+        )
+        self.ids: list[int] = []
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation the engine renders: instructions, then the history."""
+        chat = msgspec.convert(self.history, list[protocol.ChatMessage])
+        messages = protocol.conversation(chat, "input")
+        if self.req.instructions:
+            messages = [{"role": "system", "content": self.req.instructions}, *messages]
+        return self.tools.render(messages) if self.tools is not None else messages
+
+    def calls(self, output: RequestOutput) -> tuple[list[ToolCall], bool]:
+        """The reply's calls and whether they are whole (none: a plain reply)."""
+        if output.tool_calls:
+            return list(output.tool_calls), True
+        if self.tools is None or not self.tools.calling:
+            return [], False
+        return self.tools.calls(output.text)
+
+    def record(self, output: RequestOutput, body: dict[str, Any]) -> StoredResponse:
+        calls, _ = self.calls(output)
+        return StoredResponse(
+            id=self.id,
+            tenant=self.tenant,
+            created_at=self.created_at,
+            history=[*self.history, response_items.reply_message(output, calls)],
+            token_ids=[*self.ids, *output.token_ids],
+            body=body,
+        )
+
+
+async def create_response(state: ServerState, request: Request) -> Response:
+    req = await parse(state, request, ResponsesRequest)
+    response_items.check_request(req)
+    store = state.responses
+    previous = None
+    if req.previous_response_id is not None:
+        previous = await asyncio.to_thread(
+            store.get, req.previous_response_id, req.cache_salt or ""
+        )
+        if previous is None:
+            raise not_found(
+                f"previous_response_id: no stored response {req.previous_response_id!r} "
+                "(never stored, deleted, or another tenant's)",
+                code="previous_response_not_found",
+                param="previous_response_id",
+            )
+    if req.store and not await asyncio.to_thread(store.room_for):
+        raise _store_full()
+    turn = Turn(req, previous)
+    structure = response_items.text_format(req.text)
+    calling = turn.tools is not None and turn.tools.calling
+    if turn.tools is not None:
+        try:
+            structure = turn.tools.constraint(structure)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+    messages = turn.messages()
+    texts = [m["content"] for m in messages]
+    continuing = previous.token_ids if previous is not None else None
+    turn.ids = await state.encode(messages, "input", texts, continuing=continuing)
+    budget = TokenBudget("max_output_tokens", req.max_output_tokens)
+    params = protocol.choice_params(
+        req,
+        budget.tokens(len(turn.ids), state.engine.max_context),
+        req.top_logprobs,
+        renames={"max_new_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
+        structure=structure,
+    )
+    renames = {f"structured_outputs.{k}": "tools" for k in ("json", "grammar")} if calling else {
+        "structured_outputs.json": response_items.TEXT_FORMAT_SCHEMA,
+        "structured_outputs.json_object": "text.format",
+    }
+    ttl = state.config.response_ttl if req.store and state.config.response_ttl > 0 else None
+    [choice] = submit(
+        state, [turn.ids], ["input"], params, budget, req.cache_salt, req.stream,
+        renames=renames, pin_ttl=ttl,
+    )
+    if req.stream:
+        return EventStreamResponse(_stream(state, turn, choice))
+    outputs = await wait(state, request, [choice])
+    if outputs is None:
+        return Response(status_code=499)  # nobody is there to read it
+    [output] = outputs
+    calls, whole = turn.calls(output)
+    items = response_items.output_items(output, calls, whole)
+    body = response_items.response_object(
+        req, turn.id, turn.created_at, state.config.model_name, output, items
+    )
+    if req.store:
+        await _keep(state, turn.record(output, body))
+    return JSONResponse(body)
+
+
+async def get_response(state: ServerState, request: Request) -> Response:
+    check_auth(request, state.config.api_key)
+    response_id = request.path_params["response_id"]
+    stored = await asyncio.to_thread(state.responses.get, response_id, _tenant(request))
+    if stored is None:
+        raise _no_such(response_id)
+    return JSONResponse(stored.body)
+
+
+async def delete_response(state: ServerState, request: Request) -> Response:
+    check_auth(request, state.config.api_key)
+    response_id = request.path_params["response_id"]
+    if not await asyncio.to_thread(state.responses.delete, response_id, _tenant(request)):
+        raise _no_such(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _tenant(request: Request) -> str:
+    return request.query_params.get("cache_salt") or ""
+
+
+def _no_such(response_id: str) -> APIError:
+    return not_found(
+        f"response {response_id!r}: no stored response with that id (never stored, deleted, "
+        "or another tenant's: give its cache_salt as a query parameter)",
+        code="response_not_found",
+    )
+
+
+def _store_full() -> APIError:
+    return invalid(
+        "store: the server's response store is full; delete stored responses "
+        "(DELETE /v1/responses/{id}) or send store=false",
+        param="store",
+        code="response_store_full",
+    )
+
+
+async def _keep(state: ServerState, record: StoredResponse) -> None:
+    try:
+        await asyncio.to_thread(state.responses.put, record)
+    except StoreFullError:
+        raise _store_full() from None
+
+
+async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterator[bytes]:
+    """The Responses event stream of one turn (see the module docstring)."""
+    req, model = turn.req, state.config.model_name
+    numbers = itertools.count()
+
+    def event(kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": next(numbers), **fields}
+        return b"event: " + kind.encode() + b"\n" + sse(data)
+
+    started = response_items.response_object(req, turn.id, turn.created_at, model, None, [])
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
+    reader = turn.tools.stream() if turn.tools is not None and turn.tools.calling else None
+    text = _TextItem(event)
+    calls: list[dict[str, Any]] = []  # the function_call items opened, in order
+    try:
+        async for u in updates(state, [choice]):
+            if reader is not None and reader.reading(u.text):
+                for delta in reader.deltas():
+                    for piece in delta["tool_calls"]:
+                        if "id" in piece:
+                            item = response_items.call_item(
+                                new_id("fc"),
+                                ToolCall(piece["id"], piece["function"]["name"], ""),
+                                status="in_progress",
+                            )
+                            calls.append(item)
+                            yield event("response.output_item.added",
+                                        output_index=len(calls) - 1, item=dict(item))
+                            continue
+                        k, fragment = piece["index"], piece["function"]["arguments"]
+                        calls[k]["arguments"] += fragment
+                        yield event("response.function_call_arguments.delta",
+                                    item_id=calls[k]["id"], output_index=k, delta=fragment)
+                if u.output is None:
+                    continue
+                if not calls and reader.held:  # cut before it could tell: plain text
+                    for chunk in text.delta(reader.take_held()):
+                        yield chunk
+            elif reader is not None and reader.held:  # a plain reply: the text held so far
+                for chunk in text.delta(reader.take_held()):
+                    yield chunk
+            elif u.text:
+                for chunk in text.delta(u.text):
+                    yield chunk
+            if u.output is None:
+                continue
+            output = reader.finish(u.output) if reader is not None else u.output
+            whole = bool(output.tool_calls)
+            for k, item in enumerate(calls):
+                if whole:
+                    item["arguments"] = output.tool_calls[k].arguments
+                item["status"] = "completed" if whole else "incomplete"
+                yield event("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=k, name=item["name"], arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=k, item=item)
+            items = calls
+            if not calls:
+                text.cut = output.finish_reason == "length"
+                for chunk in text.done():
+                    yield chunk
+                items = [text.item]
+            body = response_items.response_object(
+                req, turn.id, turn.created_at, model, output, items
+            )
+            if req.store:
+                await _keep(state, turn.record(output, body))
+            kind = "response.incomplete" if body["status"] == "incomplete" else (
+                "response.completed"
+            )
+            yield event(kind, response=body)
+    except Exception as exc:
+        error = as_api_error(exc)
+        details = error.body()["error"]
+        yield event("error", code=details["code"], message=details["message"],
+                    param=details["param"])
+        failed = {**started, "status": "failed",
+                  "error": {"code": details["code"] or "server_error",
+                            "message": details["message"]}}
+        yield event("response.failed", response=failed)
+
+
+class _TextItem:
+    """The message item of a plain reply while it streams: opened on its first text."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+        self.item = response_items.message_item(new_id("msg"), "", status="in_progress")
+        self.text = ""
+        self.cut = False  # ended by max_output_tokens
+        self._open = False
+
+    def delta(self, text: str) -> list[bytes]:
+        out = self._opening()
+        if text:
+            self.text += text
+            out.append(self._event("response.output_text.delta", item_id=self.item["id"],
+                                   output_index=0, content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def done(self) -> list[bytes]:
+        out = self._opening()
+        part = response_items.text_part(self.text)
+        item_id = self.item["id"]
+        out.append(self._event("response.output_text.done", item_id=item_id, output_index=0,
+                               content_index=0, text=self.text, logprobs=[]))
+        out.append(self._event("response.content_part.done", item_id=item_id, output_index=0,
+                               content_index=0, part=part))
+        status = "incomplete" if self.cut else "completed"
+        self.item = {**self.item, "status": status, "content": [part]}
+        out.append(self._event("response.output_item.done", output_index=0, item=self.item))
+        return out
+
+    def _opening(self) -> list[bytes]:
+        if self._open:
+            return []
+        self._open = True
+        return [
+            self._event("response.output_item.added", output_index=0, item=dict(self.item)),
+            self._event("response.content_part.added", item_id=self.item["id"],
+                        output_index=0, content_index=0,
+                        part=response_items.text_part("")),
+        ]
+

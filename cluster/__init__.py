@@ -4,7 +4,7 @@
 puts them on Ray Serve (imported only where Ray is installed).
 """
 
-from cluster.events import KVEventBatch, KVEventPublisher, KVSnapshot
+from cluster.events import KVEventBatch, KVEventPublisher, KVSnapshot, PageTier
 from cluster.index import KVIndex, ReplicaView
 from cluster.policy import (
     POLICY_NAMES,
@@ -15,6 +15,7 @@ from cluster.policy import (
     RoutingPolicy,
     TextPrefixAffinity,
 )
+from cluster.tier_cost import TierCost
 
 __all__ = [
     "POLICY_NAMES",
@@ -24,9 +25,11 @@ __all__ = [
     "KVIndex",
     "KVSnapshot",
     "LeastLoaded",
+    "PageTier",
     "ReplicaView",
     "RoundRobin",
     "RouteRequest",
     "RoutingPolicy",
     "TextPrefixAffinity",
+    "TierCost",
 ]

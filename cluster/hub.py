@@ -19,8 +19,16 @@ from typing import Any
 
 import msgspec
 
-from cluster.events import KVEventBatch, KVSnapshot
-from cluster.index import KVIndex
+from cluster.events import KVEventBatch, KVSnapshot, PageTier
+from cluster.index import KVIndex, ReplicaView
+
+
+def snapshot_of(replica: str, view: ReplicaView) -> KVSnapshot:
+    """The hub's mirror of one replica as a snapshot, places included."""
+    assert view.epoch is not None, "a replica never snapshotted has nothing to offer"
+    host = sorted(h for h, tier in view.below.items() if tier is PageTier.HOST)
+    disk = sorted(h for h, tier in view.below.items() if tier is PageTier.DISK)
+    return KVSnapshot(replica, view.epoch, view.seq, sorted(view.hashes), host, disk)
 
 
 class HubPull(msgspec.Struct, frozen=True):
@@ -110,7 +118,7 @@ class EventHub:
             ):
                 updates.extend(b for b in recent if b.seq > cursor[1])
             else:
-                updates.append(KVSnapshot(replica, view.epoch, view.seq, sorted(view.hashes)))
+                updates.append(snapshot_of(replica, view))
         return HubPull(updates, loads)
 
     def stats(self) -> dict[str, Any]:

@@ -4,9 +4,11 @@ and the Ray Serve router run the very same code.
 Every policy sees a ``RouteRequest`` (the prompt's token ids, its namespace) and the
 replicas' current loads (requests queued or running), and names one replica.
 
-- ``CacheAware`` (ours): the replica holding the longest prefix of the prompt's page-hash
-  chain, from the replicas' KV events (``KVIndex``); ties go to the less loaded, then to the
-  one sent fewer requests lately, then to the one holding fewer pages. A prefix taking a
+- ``CacheAware`` (ours): the replica whose cached prefix of the prompt's page-hash chain saves
+  the most recomputation, from the replicas' KV events (``KVIndex``): a page in the pool
+  counts whole, one in host memory or on disk less its load (``tier_cost.TierCost``), so for
+  one prefix device > host > disk > none; ties go to the less loaded, then to the one sent
+  fewer requests lately, then to the one holding fewer pool pages. A prefix taking a
   share ``s`` of the recent requests (decayed counts, half-life ``window_s``) may live on
   ``ceil(s * N * (1 + spread))`` replicas: while it has fewer copies and a replica without
   it is less busy than all that have it, the request goes there and makes one more copy
@@ -34,7 +36,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from cluster.events import PageTier
 from cluster.index import KVIndex
+from cluster.tier_cost import TierCost
 from radix.hashing import namespace_seed, page_hashes
 
 
@@ -92,11 +96,15 @@ class LeastLoaded:
 
 
 HOT_MIN_REQUESTS = 3  # a prefix seen fewer times lately is never copied (its share is noise)
+DEFAULT_TIER_COST = TierCost()
 
 
 class CacheAware:
-    """Longest cached prefix by page hash, hot prefixes copied by their share of traffic,
-    bounded by a load-balance threshold."""
+    """Most recomputation saved by a cached prefix (by page hash, weighed by where its pages
+    are), hot prefixes copied by their share of traffic, bounded by a load-balance threshold.
+
+    ``tier_cost=None`` counts pool pages only: a page below the pool is a miss (the router
+    before the events said where pages are; kept to measure against)."""
 
     name = "cache_aware"
 
@@ -112,6 +120,7 @@ class CacheAware:
         window_s: float = 60.0,
         max_tracked: int = 1 << 16,
         balance_ratio: float = 1.5,
+        tier_cost: TierCost | None = DEFAULT_TIER_COST,
     ) -> None:
         if balance_threshold < 0:
             raise ValueError(f"balance_threshold: must be >= 0, got {balance_threshold}")
@@ -122,6 +131,7 @@ class CacheAware:
         if balance_ratio < 1:
             raise ValueError(f"balance_ratio: must be >= 1, got {balance_ratio}")
         self.balance_ratio = balance_ratio
+        self.tier_cost = tier_cost
         self.index = index
         self.page_size = page_size
         self.balance_threshold = balance_threshold
@@ -150,7 +160,14 @@ class CacheAware:
 
     def prefix_pages(self, hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
         """Leading pages each replica holds (per the index) or was just sent (pending)."""
-        depth = self.index.prefix_pages(hashes)
+        return {r: len(run) for r, run in self.prefix_runs(hashes, replicas).items()}
+
+    def prefix_runs(
+        self, hashes: Sequence[int], replicas: Sequence[str]
+    ) -> dict[str, list[PageTier]]:
+        """Where each replica holds the leading pages of ``hashes`` (per the index; below the
+        pool only with a ``tier_cost``); pages it was just sent (pending) count as in its pool."""
+        runs = self.index.prefix_tiers(hashes, below=self.tier_cost is not None)
         now = self._clock()
         pending = self._pending
         while pending:
@@ -166,22 +183,24 @@ class CacheAware:
             if run.get(held[0], 0) == i:
                 run[held[0]] = i + 1
         for replica, n in run.items():
-            if n > depth.get(replica, 0):
-                depth[replica] = n
-        return {r: depth.get(r, 0) for r in replicas}
+            runs[replica] = [PageTier.DEVICE] * n + runs.get(replica, [])[n:]
+        return {r: runs.get(r, []) for r in replicas}
 
     def choose(self, request: RouteRequest, loads: Mapping[str, int]) -> str:
         hashes = self.hashes(request)
         replicas = list(loads)
-        depth = self.prefix_pages(hashes, replicas)
+        runs = self.prefix_runs(hashes, replicas)
+        depth = {r: len(run) for r, run in runs.items()}
+        cost = self.tier_cost or DEFAULT_TIER_COST  # without one, every run is in the pool
+        saved = {r: cost.saved(run) for r, run in runs.items()}
         now = self._clock()
         recent = {r: self._decayed(self._recent.get(r), now) for r in replicas}
 
         def rank(r: str) -> tuple[int, float, int]:
             return loads[r], recent[r], self.index.held(r)
 
-        best_depth = max(depth.values())
-        holders = [r for r in replicas if depth[r] == best_depth]
+        best = max(saved.values())
+        holders = [r for r in replicas if saved[r] == best]
         # The request loads every cached prefix it extends (a session's next turn loads its
         # tenant's system prompt too): count it under each, decide on the deepest.
         total = self._decayed(self._total, now) + 1.0
@@ -190,29 +209,29 @@ class CacheAware:
         for d in sorted({d for d in depth.values() if d}):
             count = self._count_traffic(hashes[d - 1], now)
         share = count / total
-        if best_depth and len(holders) < len(replicas) and count >= HOT_MIN_REQUESTS:
+        if best and len(holders) < len(replicas) and count >= HOT_MIN_REQUESTS:
             # A hot prefix gets one more copy, on the least busy replica without it, while it
             # has fewer copies than its share of traffic calls for, or while every replica
             # holding it is over the cap of recent requests. Cold prefixes always stay.
             copies = math.ceil(share * len(replicas) * (1 + self.spread))
             cap = sum(recent.values()) / len(replicas) * (1 + self.spread) + 1.0
             if len(holders) < copies or all(recent[r] > cap for r in holders):
-                newcomer = min((r for r in replicas if depth[r] < best_depth), key=rank)
+                newcomer = min((r for r in replicas if saved[r] < best), key=rank)
                 if rank(newcomer) < min(rank(r) for r in holders):
                     holders = [newcomer]
                     self.copied += 1
         low = min(rank(r) for r in holders)
-        best = self._rng.choice([r for r in holders if rank(r) == low])
+        chosen = self._rng.choice([r for r in holders if rank(r) == low])
         least = min(loads.values())
         if (
-            loads[best] - least > self.balance_threshold
-            and loads[best] > self.balance_ratio * least
+            loads[chosen] - least > self.balance_threshold
+            and loads[chosen] > self.balance_ratio * least
         ):
             self.balanced += 1
-            best = two_choices(loads, self._rng)
-        self._recent[best] = (recent[best] + 1.0, now)
-        self._remember(hashes, best)
-        return best
+            chosen = two_choices(loads, self._rng)
+        self._recent[chosen] = (recent[chosen] + 1.0, now)
+        self._remember(hashes, chosen)
+        return chosen
 
     def _decayed(self, entry: tuple[float, float] | None, now: float) -> float:
         if entry is None:

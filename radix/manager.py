@@ -22,7 +22,7 @@ from radix.allocator import PageAllocator
 from radix.cache import RadixCache
 from radix.node import Node, PrefixMatch
 from radix.pins import Pin, PinTable
-from radix.tiers import EvictedPage, KVTiers, Tier, TierHit, TierStats
+from radix.tiers import EvictedPage, KVTiers, Tier, TierChanged, TierHit, TierStats
 from radix.tokens import TOKEN_BYTES, encode_tokens
 
 
@@ -62,7 +62,9 @@ class PagesEvicted:
     hashes: Sequence[int]
 
 
-KVEvent = PagesStored | PagesEvicted
+# TierChanged (radix.tiers): a tier below the pool gained or lost pages (listeners of the
+# pool alone ignore it): with it a listener knows where every page is, not only the pool's.
+KVEvent = PagesStored | PagesEvicted | TierChanged
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +191,11 @@ class KVManager:
         )
 
     def subscribe(self, listener: Callable[[KVEvent], None]) -> None:
-        """Call ``listener`` with every PagesStored and PagesEvicted from now on."""
+        """Call ``listener`` with every PagesStored and PagesEvicted from now on, and with the
+        tiers' TierChanged (first what they hold already) when there are tiers."""
         self._listeners.append(listener)
+        if self._tiers is not None:
+            self._tiers.subscribe(listener)
 
     # ------------------------------------------------------------------ requests' KV
             pins_released=self._pins.released,

@@ -35,6 +35,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     # Tokens served from the tree at first admission (what RequestOutput.cached_tokens reports).
     cached_tokens: int = 0
+    # Of cached_tokens, those loaded back from below the pool (host memory, disk).
+    cached_tokens_below: int = 0
     # Tokens of prompt + output whose K/V is written in the handle's pages.
     num_computed: int = 0
     # Where its KV lives while it runs (None while waiting and once ended).

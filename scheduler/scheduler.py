@@ -410,6 +410,7 @@ class Scheduler:
             request.admitted = True
             request.admitted_time = time.monotonic()
             request.cached_tokens = kv.cached_len
+            request.cached_tokens_below = loaded.total
             counters = self._counters
             counters.prompt_tokens += len(request.prompt)
             counters.cached_tokens += kv.cached_len

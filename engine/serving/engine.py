@@ -400,8 +400,10 @@ class Engine:
 
     def subscribe_kv(self, listener: Callable[[KVEvent], None]) -> None:
         """Call ``listener`` with every ``PagesStored``/``PagesEvicted`` of this engine's KV
-        pool from now on, on the engine loop's thread (keep it short). A replica's KV-event
-        publisher follows the cache this way; subscribe before serving anything."""
+        pool from now on, and with KV tiers every ``TierChanged`` of host memory and disk
+        (first what they hold already), on the engine loop's thread (keep it short). A
+        replica's KV-event publisher follows the cache this way; subscribe before serving
+        anything."""
         self._loop.subscribe_kv(listener)
 
     def num_waiting(self) -> int:

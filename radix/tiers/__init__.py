@@ -3,6 +3,7 @@ the tree's xxhash chain (see hierarchy.py)."""
 
 from __future__ import annotations
 
+from radix.tiers.changes import TierChanged
 from radix.tiers.cost import LoadCost
 from radix.tiers.disk import DiskStore
 from radix.tiers.hierarchy import KVTiers, PageIO, TierStats
@@ -19,6 +20,7 @@ __all__ = [
     "PageIO",
     "PageRecord",
     "Tier",
+    "TierChanged",
     "TierHit",
     "TierStats",
 ]

@@ -13,6 +13,10 @@ from radix.tiers.record import Tier
 
 EWMA_WEIGHT = 0.2
 RETRY_EVERY = 64
+# A page loaded from each tier costs about this share of recomputing it (2-core EPYC, float32:
+# ~0.4 ms from host memory, ~1-1.5 ms from disk, ~35 ms to recompute): what a router assumes
+# of its replicas (``cluster.tier_cost``), which measure their own (``LoadCost``).
+TYPICAL_LOAD_SHARE = {Tier.HOST: 0.02, Tier.DISK: 0.05}
 
 
 class LoadCost:

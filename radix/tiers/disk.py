@@ -34,10 +34,12 @@ import struct
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import xxhash
 
+from radix.tiers.changes import StoreWatcher
 from radix.tiers.record import PageRecord
 
 MAGIC = b"RKVPAGE1"
@@ -104,6 +106,7 @@ class DiskStore:
         self.evicted = 0  # records deleted to stay within the budget
         self.write_errors = 0  # files the writer could not write (disk full, ...)
         self._failed: list[tuple[int, int]] = []  # (key, size) whose write failed: unindex
+        self._watcher: StoreWatcher | None = None
         self._scan()
         free = shutil.disk_usage(self._root).free + self._used
         if budget_bytes > free:
@@ -147,6 +150,15 @@ class DiskStore:
     def path(self, key: int) -> Path:
         return self._root / f"{key >> 56:02x}" / f"{key:016x}{SUFFIX}"
 
+    def watch(self, watcher: StoreWatcher | None) -> None:
+        """Call ``watcher(added, removed)`` with every change of the keys indexed from now on
+        (on the caller's thread: a failed write leaves the index at the caller's next call)."""
+        self._watcher = watcher
+
+    def _changed(self, added: Sequence[int], removed: Sequence[int]) -> None:
+        if self._watcher is not None and (added or removed):
+            self._watcher(added, removed)
+
     # ------------------------------------------------------------------ records
 
     def touch(self, key: int) -> None:
@@ -171,6 +183,7 @@ class DiskStore:
         with self._lock:
             self._pending[key] = record
         self._ops.put(("write", key, record))
+        self._changed((key,), ())
         return True
 
     def get(self, key: int, tokens: bytes) -> PageRecord | None:
@@ -230,16 +243,20 @@ class DiskStore:
             return
         with self._lock:
             failed, self._failed = self._failed, []
+        gone = []
         for key, size in failed:
             if self._index.get(key) == size:
                 del self._index[key]
                 self._used -= size
+                gone.append(key)
+        self._changed((), gone)
 
     def _drop(self, key: int) -> None:
         self._used -= self._index.pop(key)
         with self._lock:
             self._pending.pop(key, None)
         self._ops.put(("delete", key, None))
+        self._changed((), (key,))
 
     def _scan(self) -> None:
         """Index the files a previous engine left (oldest first); clear half-written ones."""

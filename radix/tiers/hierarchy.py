@@ -10,16 +10,19 @@ again by the next prompt that holds its prefix, and loaded back into a fresh poo
 - a load keeps the page below too (inclusive), so evicting it again copies nothing.
 - the engine moves the bytes (``PageIO``: read pool pages, write pool pages); nothing here
   knows tensors.
+- every change of a store's keys is a ``TierChanged`` to the subscribers (``subscribe``): a
+  router told where each page is sends a returning prompt to the replica that can load it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from radix.hashing import chain_hashes
+from radix.tiers.changes import TierChanged
 from radix.tiers.cost import LoadCost
 from radix.tiers.disk import DiskStore
 from radix.tiers.host import HostStore
@@ -82,6 +85,25 @@ class KVTiers:
         self._loaded = {Tier.HOST: 0, Tier.DISK: 0}
         self._dropped = 0
         self._skipped_slow = 0
+        self._listeners: list[Callable[[TierChanged], None]] = []
+        if host is not None:
+            host.watch(lambda added, removed: self._announce(Tier.HOST, added, removed))
+        if disk is not None:
+            disk.watch(lambda added, removed: self._announce(Tier.DISK, added, removed))
+
+    def subscribe(self, listener: Callable[[TierChanged], None]) -> None:
+        """Call ``listener`` with every ``TierChanged`` from now on; it first hears what each
+        tier holds already (a restarted engine's disk), so it never misses a page."""
+        for tier, store in ((Tier.HOST, self._host), (Tier.DISK, self._disk)):
+            if store is not None and len(store):
+                listener(TierChanged(tier, store.keys(), ()))
+        self._listeners.append(listener)
+
+    def _announce(self, tier: Tier, added: Sequence[int], removed: Sequence[int]) -> None:
+        if self._listeners:
+            event = TierChanged(tier, added, removed)
+            for listener in self._listeners:
+                listener(event)
 
     @property
     def host(self) -> HostStore | None:

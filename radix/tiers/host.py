@@ -4,7 +4,9 @@ out first (to the disk tier, when there is one)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
+from radix.tiers.changes import StoreWatcher
 from radix.tiers.record import PageRecord
 
 
@@ -12,7 +14,8 @@ class HostStore:
     """Page records by key, within ``budget_bytes`` of KV data.
 
     ``put`` returns the records it pushed out (oldest first) so the caller can write them
-    further down; nothing here knows about disks.
+    further down; nothing here knows about disks. Every change of its keys goes to the
+    watcher (``watch``), so KV events can say where a page is.
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -21,6 +24,15 @@ class HostStore:
         self._budget = budget_bytes
         self._records: OrderedDict[int, PageRecord] = OrderedDict()
         self._used = 0
+        self._watcher: StoreWatcher | None = None
+
+    def watch(self, watcher: StoreWatcher | None) -> None:
+        """Call ``watcher(added, removed)`` with every change of the keys held from now on."""
+        self._watcher = watcher
+
+    def _changed(self, added: Sequence[int], removed: Sequence[int]) -> None:
+        if self._watcher is not None and (added or removed):
+            self._watcher(added, removed)
 
     @property
     def budget_bytes(self) -> int:
@@ -65,12 +77,14 @@ class HostStore:
             out.append(old)
         self._records[record.key] = record
         self._used += record.nbytes
+        self._changed((record.key,), [old.key for old in out])
         return out
 
     def pop(self, key: int) -> PageRecord | None:
         record = self._records.pop(key, None)
         if record is not None:
             self._used -= record.nbytes
+            self._changed((), (key,))
         return record
 
     def drain(self) -> list[PageRecord]:
@@ -78,6 +92,7 @@ class HostStore:
         out = list(self._records.values())
         self._records.clear()
         self._used = 0
+        self._changed((), [record.key for record in out])
         return out
 
     def check(self) -> None:

@@ -1,29 +1,90 @@
-"""KV events from a real KVManager, batched by the publisher and mirrored by the index (and
-the hub): the mirror always converges to exactly what the tree holds, gaps included."""
+"""KV events from a real KVManager (and its host and disk tiers), batched by the publisher and
+mirrored by the index (and the hub): the mirror always converges to exactly what the replica
+holds and where (pool, host memory, disk), gaps included."""
 
 from __future__ import annotations
 
 import random
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 
+import msgspec
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from cluster import KVEventBatch, KVEventPublisher, KVIndex, KVSnapshot
+from cluster import KVEventBatch, KVEventPublisher, KVIndex, KVSnapshot, PageTier
 from cluster.hub import EventHub
 from radix import KVManager, page_hashes
+from radix.tiers import DiskStore, HostStore, KVTiers, PageRecord
+from radix.tiers.disk import file_size
 
 PAGE = 4
+PAGE_DATA = 16
+
+
+class BytesPool:
+    """A pool's pages as bytes (the ``PageIO`` the tiers copy through)."""
+
+    def __init__(self) -> None:
+        self.data: dict[int, bytes] = {}
+
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]:
+        return [self.data.get(page, bytes(PAGE_DATA)) for page in pages]
+
+    def write_pages(self, pages: Sequence[int], data: Sequence[bytes]) -> None:
+        self.data.update(zip(pages, data))
+
+
+def tiered(
+    directory: str | Path, pool_pages: int, host_pages: int, disk_pages: int, name: str = "r"
+) -> KVManager:
+    """A manager over host memory and disk stores of so many pages."""
+    host = HostStore(host_pages * PAGE_DATA) if host_pages else None
+    disk = None
+    if disk_pages:
+        sample = PageRecord(0, bytes(4 * PAGE), bytes(PAGE_DATA))
+        disk = DiskStore(directory, disk_pages * file_size(sample), name)
+    return KVManager(pool_pages, PAGE, tiers=KVTiers(BytesPool(), PAGE, host, disk))
 
 
 def run_request(kv: KVManager, tokens: list[int], namespace: str | None = None) -> None:
+    """As the scheduler runs one: the cached prefix, pages loaded from below, the rest."""
     handle = kv.acquire(tokens, namespace)
+    kv.load(handle, tokens)
     assert kv.allocate(handle, len(tokens))
     kv.release(handle, tokens)
 
 
 def tree_hashes(kv: KVManager) -> set[int]:
     return {page.key for page in kv.tree.walk_pages()}
+
+
+def places(kv: KVManager) -> dict[int, PageTier]:
+    """What the replica holds, each page at its best place: the truth the index must reach."""
+    truth: dict[int, PageTier] = {}
+    tiers = kv.tiers
+    if tiers is not None:
+        for store, tier in ((tiers.disk, PageTier.DISK), (tiers.host, PageTier.HOST)):
+            if store is not None:
+                truth.update(dict.fromkeys(store.keys(), tier))
+    truth.update(dict.fromkeys(tree_hashes(kv), PageTier.DEVICE))
+    return truth
+
+
+def indexed(index: KVIndex, replica: str) -> dict[int, PageTier]:
+    view = index.view(replica)
+    assert view is not None
+    return {h: view.where(h) for h in view.hashes}
+
+
+def follow(index: KVIndex, publisher: KVEventPublisher) -> KVEventBatch | None:
+    """Deliver the publisher's next batch (resyncing on a gap); the batch, if any."""
+    batch = publisher.drain()
+    if batch is not None and not index.apply(batch):
+        index.resync(publisher.snapshot())
+    return batch
 
 
 def test_a_batch_nets_out_what_was_stored_and_evicted_in_between() -> None:
@@ -119,13 +180,128 @@ def test_a_replica_that_stops_reporting_leaves_the_stats_and_the_mirror() -> Non
     assert set(hub.pull({}).loads) == {"live"} and hub.num_hashes() == 2
 
 
+def test_a_page_moves_down_the_tiers_back_to_the_device_and_is_removed_off_the_last(
+    tmp_path: Path,
+) -> None:
+    kv = tiered(tmp_path, pool_pages=3, host_pages=1, disk_pages=1)
+    publisher = KVEventPublisher("r0", epoch=1)
+    publisher.attach(kv)
+    index = KVIndex()
+    index.resync(publisher.snapshot())
+    first, second = page_hashes([1, 2, 3, 4, 5, 6, 7, 8], PAGE)
+    run_request(kv, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    batch = follow(index, publisher)
+    assert batch is not None and {first, second} <= set(batch.stored)
+    assert batch.host == batch.disk == [] and batch.removed == []
+    assert indexed(index, "r0")[first] is PageTier.DEVICE
+
+    run_request(kv, [9, 9, 9, 9, 8, 8, 8, 8, 0])  # both evicted: one to host, one to disk
+    batch = follow(index, publisher)
+    assert batch is not None and batch.removed == []  # moved, not evicted
+    assert {first, second} == set(batch.host) | set(batch.disk)
+    assert {index.view("r0").where(h) for h in (first, second)} == {
+        PageTier.HOST,
+        PageTier.DISK,
+    }
+    assert index.prefix_pages([first, second]) == {"r0": 2}
+    assert index.prefix_tiers([first, second], below=False) == {}  # the pool has neither
+
+    kv.tiers.flush()
+    run_request(kv, [1, 2, 3, 4, 5, 6, 7, 8, 0])  # loaded back into the pool
+    batch = follow(index, publisher)
+    assert batch is not None and {first, second} <= set(batch.stored)
+    assert not {first, second} & set(batch.host + batch.disk)
+    assert index.prefix_tiers([first, second]) == {"r0": [PageTier.DEVICE] * 2}
+
+    for stem in (5, 6, 7):  # others push them down and then off the last tier
+        run_request(kv, [stem] * 8 + [0])
+        follow(index, publisher)
+    assert first not in places(kv) and first not in index.view("r0").hashes
+    assert indexed(index, "r0") == places(kv)
+    index.check()
+    kv.tiers.close()
+
+
+def test_down_and_back_up_between_two_drains_is_no_change(tmp_path: Path) -> None:
+    kv = tiered(tmp_path, pool_pages=2, host_pages=4, disk_pages=0)
+    publisher = KVEventPublisher("r0")
+    publisher.attach(kv)
+    run_request(kv, [1, 2, 3, 4, 0])
+    publisher.drain()
+    run_request(kv, [9, 9, 9, 9, 0])  # (1,2,3,4) to host memory
+    run_request(kv, [1, 2, 3, 4, 0])  # and back
+    batch = publisher.drain()
+    assert batch is not None
+    moved = page_hashes([1, 2, 3, 4], PAGE)[0]
+    assert moved not in batch.stored + batch.removed + batch.host
+    assert publisher.where(moved) is PageTier.DEVICE
+
+
+def test_the_index_counts_each_replicas_pages_by_place() -> None:
+    index = KVIndex()
+    index.resync(KVSnapshot("a", 1, 0, [1, 2, 3, 4, 5], host=[3, 4], disk=[5]))
+    index.resync(KVSnapshot("b", 1, 0, [1, 9]))
+    counts = index.view("a").tier_counts()
+    assert counts == {PageTier.DEVICE: 2, PageTier.HOST: 2, PageTier.DISK: 1}
+    assert index.held("a") == 2  # pool pages: the tie-break among equal matches
+    assert index.apply(KVEventBatch("a", 1, 1, stored=[3, 6], removed=[5], disk=[6]))
+    counts = index.view("a").tier_counts()
+    assert counts == {PageTier.DEVICE: 3, PageTier.HOST: 1, PageTier.DISK: 1}
+    assert index.view("b").tier_counts()[PageTier.DEVICE] == 2
+    assert index.prefix_tiers([1, 2, 4]) == {
+        "a": [PageTier.DEVICE, PageTier.DEVICE, PageTier.HOST],
+        "b": [PageTier.DEVICE],
+    }
+    index.check()
+
+
+class BatchV1(msgspec.Struct, frozen=True):
+    """The batch as schema 1 had it (no places): an old consumer."""
+
+    replica: str
+    epoch: int
+    seq: int
+    stored: list[int]
+    removed: list[int]
+    load: int = 0
+
+
+def test_old_consumers_see_pages_below_as_held_and_old_batches_read_as_pool_pages() -> None:
+    new = KVEventBatch("r0", 1, 1, stored=[1, 2, 3], removed=[4], host=[2], disk=[3])
+    old = msgspec.json.decode(msgspec.json.encode(new), type=BatchV1)
+    assert old.stored == [1, 2, 3] and old.removed == [4]  # held, wherever they are
+    back = msgspec.json.decode(msgspec.json.encode(old), type=KVEventBatch)
+    index = KVIndex()
+    index.resync(KVSnapshot("r0", 1, 0, [4]))
+    assert index.apply(back)
+    assert indexed(index, "r0") == dict.fromkeys([1, 2, 3], PageTier.DEVICE)
+
+
+def test_the_hub_gives_a_router_that_fell_behind_the_places_in_its_snapshot() -> None:
+    hub = EventHub(keep=1)
+    hub.publish_snapshot(KVSnapshot("r0", 5, 0, [1, 2], host=[2]))
+    assert hub.publish(KVEventBatch("r0", 5, 1, [3], [], disk=[3]))
+    assert hub.publish(KVEventBatch("r0", 5, 2, [1], [2], host=[1]))
+    [snapshot] = hub.pull({"r0": (5, 0)}).updates
+    assert isinstance(snapshot, KVSnapshot)
+    assert (sorted(snapshot.hashes), snapshot.host, snapshot.disk) == ([1, 3], [1], [3])
+    router = KVIndex()
+    router.resync(snapshot)
+    assert indexed(router, "r0") == {1: PageTier.HOST, 3: PageTier.DISK}
+
+
 class PublishedIndexMachine(RuleBasedStateMachine):
-    """Requests run on two replicas; batches travel to a router that may lose some. Whenever
-    the router has caught up (resyncing where it must), its index equals the trees."""
+    """Requests run on two replicas, one of them over host memory and disk; batches travel
+    to a router that may lose some. Whenever the router has caught up (resyncing where it
+    must), its index holds exactly what each replica holds, each page at its place."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.kvs = {name: KVManager(num_pages=10, page_size=PAGE) for name in ("a", "b")}
+        self._dir = tempfile.TemporaryDirectory()
+        self.kvs = {
+            "a": tiered(self._dir.name, pool_pages=10, host_pages=3, disk_pages=4),
+            "b": KVManager(num_pages=10, page_size=PAGE),
+        }
         self.publishers = {name: KVEventPublisher(name) for name in self.kvs}
         for name, kv in self.kvs.items():
             self.publishers[name].attach(kv)
@@ -151,11 +327,25 @@ class PublishedIndexMachine(RuleBasedStateMachine):
         if not self.index.apply(batch):
             self.index.resync(self.publishers[replica].snapshot())
 
+    @rule()
+    def flush_disk(self) -> None:
+        tiers = self.kvs["a"].tiers
+        assert tiers is not None
+        tiers.flush()
+
     @invariant()
     def index_is_consistent_and_bounded(self) -> None:
         self.index.check()
         self.max_hashes = max(self.max_hashes, self.index.num_hashes)
-        assert self.index.num_hashes <= sum(kv.num_pages for kv in self.kvs.values())
+        assert self.index.num_hashes <= sum(kv.num_pages for kv in self.kvs.values()) + 3 + 4
+
+    @invariant()
+    def the_publisher_knows_where_every_page_is_now(self) -> None:
+        for name, kv in self.kvs.items():
+            truth = places(kv)
+            publisher = self.publishers[name]
+            assert publisher.num_hashes == len(truth)
+            assert all(publisher.where(h) is tier for h, tier in truth.items()), name
 
     def teardown(self) -> None:
         for name, publisher in self.publishers.items():
@@ -164,7 +354,11 @@ class PublishedIndexMachine(RuleBasedStateMachine):
             view = self.index.view(name)
             if not applied and (view is None or view.stale or view.seq != publisher.seq):
                 self.index.resync(publisher.snapshot())  # a lost last batch shows as a seq lag
-            assert self.index.view(name).hashes == tree_hashes(self.kvs[name]), name
+            assert indexed(self.index, name) == places(self.kvs[name]), name
+        tiers = self.kvs["a"].tiers
+        assert tiers is not None
+        tiers.close()
+        self._dir.cleanup()
 
 
 TestPublishedIndexMachine = PublishedIndexMachine.TestCase

@@ -1,5 +1,6 @@
-"""The routing policies' choices: longest cached prefix, the balance threshold, namespaces,
-requests in flight, and the text-prefix and load-only baselines."""
+"""The routing policies' choices: longest cached prefix, where its pages are (device before
+host memory before disk before none), the balance threshold, namespaces, requests in flight,
+and the text-prefix and load-only baselines."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from cluster import (
     KVIndex,
     KVSnapshot,
     LeastLoaded,
+    PageTier,
     RoundRobin,
     RouteRequest,
     TextPrefixAffinity,
+    TierCost,
 )
 from radix import page_hashes
 
@@ -118,3 +121,54 @@ def test_a_hot_prefix_is_copied_to_more_replicas_and_a_cold_one_never() -> None:
     lone = [7] * 17
     index.resync(KVSnapshot("a", 1, 0, chain + page_hashes(lone, PAGE)))
     assert policy.choose(RouteRequest(lone), loads) == "a"
+
+
+def test_a_prefix_on_the_device_beats_it_in_host_memory_beats_disk_beats_none() -> None:
+    chain = page_hashes(PROMPT, PAGE)
+    places = {
+        "device": KVSnapshot("device", 1, 0, chain),
+        "host": KVSnapshot("host", 1, 0, chain, host=chain[2:]),
+        "disk": KVSnapshot("disk", 1, 0, chain, disk=chain[2:]),
+        "none": KVSnapshot("none", 1, 0, []),
+    }
+    order = ["device", "host", "disk", "none"]
+    for i, expected in enumerate(order):
+        index = KVIndex()
+        for name in order[i:]:
+            index.resync(places[name])
+        policy = CacheAware(index, PAGE, pending_ttl_s=0)
+        # the better place wins even where it is busier (within the balance threshold)
+        loads = {name: 4 - j for j, name in enumerate(order[i:])}
+        assert policy.choose(RouteRequest(PROMPT), loads) == expected
+
+
+def test_a_deeper_prefix_below_the_pool_outweighs_a_shallower_one_in_it() -> None:
+    chain = page_hashes(PROMPT, PAGE)
+    index = KVIndex()
+    index.resync(KVSnapshot("pool", 1, 0, chain[:1]))
+    index.resync(KVSnapshot("below", 1, 0, chain, host=chain[1:]))
+    policy = CacheAware(index, PAGE, pending_ttl_s=0)
+    assert policy.choose(RouteRequest(PROMPT), {"pool": 0, "below": 0}) == "below"
+    assert policy.prefix_runs(chain, ["pool", "below"]) == {
+        "pool": [PageTier.DEVICE],
+        "below": [PageTier.DEVICE] + [PageTier.HOST] * 3,
+    }
+
+
+def test_a_router_blind_to_the_tiers_counts_pages_below_the_pool_as_missing() -> None:
+    chain = page_hashes(PROMPT, PAGE)
+    index = KVIndex()
+    index.resync(KVSnapshot("pool", 1, 0, chain[:1]))
+    index.resync(KVSnapshot("below", 1, 0, chain, host=chain[1:]))
+    blind = CacheAware(index, PAGE, pending_ttl_s=0, tier_cost=None)
+    assert blind.prefix_pages(chain, ["pool", "below"]) == {"pool": 1, "below": 1}
+    assert blind.choose(RouteRequest(PROMPT), {"pool": 0, "below": 1}) == "pool"
+
+
+def test_a_tier_cost_is_a_share_of_recomputing_and_disk_is_no_cheaper_than_host() -> None:
+    cost = TierCost(host=0.1, disk=0.5)
+    run = [PageTier.DEVICE, PageTier.HOST, PageTier.DISK]
+    assert cost.saved(run) == pytest.approx(1 + 0.9 + 0.5)
+    for bad in ({"host": 1.0}, {"host": -0.1}, {"host": 0.3, "disk": 0.2}):
+        with pytest.raises(ValueError):
+            TierCost(**bad)

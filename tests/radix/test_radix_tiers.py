@@ -1,6 +1,7 @@
 """KV tiers under the tree: every page in one place, nothing lost, loads bit-exact (a
-hypothesis state machine over KVManager + host + disk), and the disk format's promises
-(a damaged, truncated or foreign file is a miss; a restarted store finds its files)."""
+hypothesis state machine over KVManager + host + disk), the events that tell a listener
+where every page is, and the disk format's promises (a damaged, truncated or foreign file is
+a miss; a restarted store finds its files)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radix import KVManager, page_hashes
-from radix.tiers import DiskStore, HostStore, KVTiers, LoadCost, PageRecord, Tier
+from radix import KVEvent, KVManager, PagesEvicted, PagesStored, page_hashes
+from radix.tiers import DiskStore, HostStore, KVTiers, LoadCost, PageRecord, Tier, TierChanged
 from radix.tiers.disk import encode_record, file_size
 
 PAGE = 2
@@ -90,6 +91,33 @@ def where_cached(kv: KVManager, tokens: list[int], namespace: str | None = None)
     found = below[: below.index(None)] if None in below else below
     host = sum(1 for tier in found if tier is Tier.HOST)
     return Below(pool * PAGE, host * PAGE, (len(found) - host) * PAGE)
+
+
+class Places:
+    """A listener that knows, from the manager's events alone, which pages the pool, host
+    memory and disk each hold."""
+
+    def __init__(self) -> None:
+        self.pool: set[int] = set()
+        self.below: dict[Tier, set[int]] = {Tier.HOST: set(), Tier.DISK: set()}
+
+    def __call__(self, event: KVEvent) -> None:
+        if isinstance(event, PagesStored):
+            self.pool.update(event.hashes)
+        elif isinstance(event, PagesEvicted):
+            self.pool.difference_update(event.hashes)
+        elif isinstance(event, TierChanged):
+            held = self.below[event.tier]
+            held.difference_update(event.removed)
+            held.update(event.added)
+
+    def check(self, kv: KVManager) -> None:
+        """The events told exactly what each place holds."""
+        tiers = kv.tiers
+        assert tiers is not None
+        assert self.pool == {page.key for page in kv.tree.walk_pages()}, "pool"
+        for tier, store in ((Tier.HOST, tiers.host), (Tier.DISK, tiers.disk)):
+            assert self.below[tier] == set(store.keys() if store else ()), tier.value
 
 
 def make(tmp: str, pool_pages: int, host_pages: int, disk_pages: int | None):
@@ -173,6 +201,57 @@ def test_close_writes_the_pool_down_and_a_new_store_finds_it(tmp_path: Path) -> 
     # Another store key (another model, dtype or page size) sees nothing of it.
     other = DiskStore(tmp_path, 1 << 20, "model-b")
     assert len(other) == 0
+
+
+def test_the_events_follow_a_page_down_to_disk_back_up_and_off_the_last_tier(
+    tmp_path: Path,
+) -> None:
+    kv, pool, tiers = make(str(tmp_path), pool_pages=3, host_pages=1, disk_pages=1)
+    places = Places()
+    kv.subscribe(places)
+    first, second = page_hashes([1, 2, 3, 4], PAGE)
+    serve(kv, pool, [1, 2, 3, 4, 5])
+    assert places.pool >= {first, second}
+    serve(kv, pool, [9, 9, 8, 8, 7])  # evicted: (3,4) then (1,2) written down
+    assert {first, second}.isdisjoint(places.pool)
+    assert places.below[Tier.HOST] | places.below[Tier.DISK] == {first, second}
+    places.check(kv)
+    tiers.flush()
+    serve(kv, pool, [1, 2, 3, 4, 5])  # loaded back: in the pool, and still below
+    assert {first, second} <= places.pool
+    places.check(kv)
+    for stem in ([6, 6, 5, 5, 4], [7, 7, 6, 6, 5], [8, 8, 7, 7, 6]):
+        serve(kv, pool, stem)  # one host page, one disk page: the old ones fall off
+    assert first not in places.pool | places.below[Tier.HOST] | places.below[Tier.DISK]
+    assert tiers.stats().dropped > 0
+    places.check(kv)
+
+
+def test_a_new_listener_first_hears_what_the_tiers_hold_already(tmp_path: Path) -> None:
+    kv, pool, _ = make(str(tmp_path), pool_pages=8, host_pages=0, disk_pages=16)
+    serve(kv, pool, [1, 2, 3, 4, 5, 6, 7])
+    kv.close()
+    kv2, _, _ = make(str(tmp_path), pool_pages=8, host_pages=0, disk_pages=16)
+    places = Places()
+    kv2.subscribe(places)  # a restarted engine: its disk is warm before anything runs
+    assert places.below[Tier.DISK] == set(page_hashes([1, 2, 3, 4, 5, 6], PAGE))
+    places.check(kv2)
+
+
+def test_a_failed_disk_write_leaves_the_listeners_view_too(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, 1 << 20, "m")
+    seen: list[tuple[list[int], list[int]]] = []
+    store.watch(lambda added, removed: seen.append((list(added), list(removed))))
+    record = PageRecord(1, b"\0" * 8, b"x" * 64)
+    path = store.path(record.key)
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{store._writer.ident}.tmp"
+    tmp.symlink_to("/dev/full")
+    assert store.put(record)
+    store.flush()
+    assert store.keys() == []
+    assert seen == [([1], []), ([], [1])]
+    store.close()
 
 
 # ---------------------------------------------------------------------- the disk format
@@ -383,6 +462,8 @@ class TieredKV(RuleBasedStateMachine):
         self.kv, self.pool, self.tiers = make(
             self._dir.name, pool_pages=7, host_pages=3, disk_pages=4
         )
+        self.places = Places()
+        self.kv.subscribe(self.places)
         self.served = 0
 
     def teardown(self) -> None:
@@ -421,6 +502,7 @@ class TieredKV(RuleBasedStateMachine):
             assert self.pool.data[page.page] == kv_of(page.key)
         stats = self.tiers.stats()
         assert stats.written_host + stats.written_disk >= stats.host_pages + stats.disk_pages
+        self.places.check(self.kv)  # a listener knows where every page is
 
 
 def test_disk_records_hold_their_own_kv_after_the_machine_runs(tmp_path: Path) -> None:

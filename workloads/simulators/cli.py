@@ -25,6 +25,8 @@ from workloads.simulators.cluster import (
     BALANCE_THRESHOLD,
     PENDING_TTL_STEPS,
     ROUTERS,
+    SIM_ROUTERS,
+    format_turns_table,
     simulate_cluster,
 )
 from workloads.simulators.cluster import format_table as format_cluster_table
@@ -88,13 +90,26 @@ def cluster_main(argv: list[str] | None = None) -> None:
     traces = {**CLUSTER_TRACES, **TRACES}
     parser = argparse.ArgumentParser(description=CLUSTER_DESCRIPTION)
     parser.add_argument("--replicas", nargs="+", type=int, required=True)
-    parser.add_argument("--router", nargs="+", default=["all"], choices=[*ROUTERS, "all"])
+    parser.add_argument(
+        "--router", nargs="+", default=["all"], choices=[*SIM_ROUTERS, "all"],
+        help="'all' is every router of a deployment (not cache_aware_pool_only, the tier-blind "
+        "cache_aware kept to measure against)",
+    )
     parser.add_argument("--traces", nargs="+", default=list(CLUSTER_TRACES), choices=list(traces))
     parser.add_argument(
         "--capacity",
         type=float,
         default=1.0,
         help="fraction of the trace's working set the whole cluster holds, split evenly",
+    )
+    parser.add_argument(
+        "--host-capacity", type=float, default=0.0,
+        help="KV tiers: host memory under each pool, as a fraction of the working set the "
+        "whole cluster holds there (0: none); their later turns are tabled apart",
+    )
+    parser.add_argument(
+        "--disk-capacity", type=float, default=0.0,
+        help="KV tiers: disk under each pool (files on tmpfs), likewise",
     )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--balance-threshold", type=int, default=BALANCE_THRESHOLD)
@@ -113,6 +128,8 @@ def cluster_main(argv: list[str] | None = None) -> None:
         stats = trace_stats(trace, args.page_size)
         for n in args.replicas:
             pages = pool_pages(stats, args.capacity, n)
+            host = int(stats.working_set_pages * args.host_capacity / n)
+            disk = int(stats.working_set_pages * args.disk_capacity / n)
             for router in routers:
                 result = simulate_cluster(
                     trace,
@@ -123,10 +140,15 @@ def cluster_main(argv: list[str] | None = None) -> None:
                     stats,
                     balance_threshold=args.balance_threshold,
                     pending_ttl=args.pending_ttl,
+                    host_pages=host,
+                    disk_pages=disk,
                 )
                 results.append(result)
                 print(format_cluster_table([result]).splitlines()[-1], flush=True)
     report(results, format_cluster_table, args.json)
+    if any(r.later_requests for r in results):
+        print()
+        print(format_turns_table(results))
 
 
 def report(results: Sequence[Any], table: Callable[[Sequence[Any]], str],

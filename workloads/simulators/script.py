@@ -20,14 +20,17 @@ def reply(session: int, turn: int, length: int) -> list[int]:
 
 
 def expand(trace: SimTrace) -> list[tuple[int, int, list[int], list[int]]]:
-    """Every request as (session, turn, prompt, reply), in submission order (arrival, turn)."""
+    """Every request as (session, turn, prompt, reply), in submission order (arrival, turn,
+    its think time)."""
     out = []
     for s, session in enumerate(trace.sessions):
         history = list(session.prefix)
+        due = session.arrival
         for t, turn in enumerate(session.turns):
+            due += turn.think + (t > 0)
             prompt = history + turn.user
             answer = reply(s, t, turn.max_new_tokens)
-            out.append((session.arrival + t, s, t, prompt, answer))
+            out.append((due, s, t, prompt, answer))
             history = prompt + answer
     out.sort(key=lambda item: (item[0], item[1], item[2]))
     return [(s, t, prompt, answer) for _, s, t, prompt, answer in out]

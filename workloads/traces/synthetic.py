@@ -24,16 +24,20 @@ class SimTurn(msgspec.Struct, frozen=True):
     """A user message (token ids) and the reply length the simulated model generates.
 
     ``reply``: the reply's tokens when the trace was drawn with them (``replies=True``: a
-    replay without a model); the simulators' scripted model writes its own."""
+    replay without a model); the simulators' scripted model writes its own. ``think``: steps
+    the user pauses after the previous reply before sending this turn (reading, typing, a
+    tool running)."""
 
     user: list[int]
     max_new_tokens: int
     reply: list[int] | None = None
+    think: int = 0
 
 
 class SimSession(msgspec.Struct, frozen=True):
     """``prefix`` (system prompt, document...) then turns; the first arrives at ``arrival``
-    (a simulator step), each later one as soon as the previous reply is complete."""
+    (a simulator step), each later one its ``think`` steps after the previous reply is
+    complete."""
 
     prefix: list[int]
     turns: list[SimTurn]
@@ -226,7 +230,37 @@ def rag_corpus(
     return SimTrace("rag_corpus", sessions)
 
 
+def think_chat(
+    seed: int = 7, conversations: int = 600, prompts: int = 8, system: tuple[int, int] = (100, 300),
+    turns: tuple[int, int] = (3, 8), user: tuple[int, int] = (20, 120),
+    reply: tuple[int, int] = (20, 100), think: float = 300.0, spacing: float = 4.0,
+) -> SimTrace:
+    """Conversations that pause: 600 chats of 3-8 turns on 8 system prompts (100-300 tokens,
+    Zipf 1.0), 20-120 user and 20-100 reply tokens a turn, the user thinking ~300 steps
+    (exponential) between a reply and the next turn, one chat arriving every ~4 steps. Many
+    more chats are alive than their pages fit in a pool: between two turns other chats push a
+    chat's pages out (to host memory or disk, with tiers), and its next turn repeats them."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(system[0], system[1] + 1, size=prompts)
+    shared = [_tokens(rng, int(n)) for n in lengths]
+    picks = _zipf_picks(rng, prompts, conversations, 1.0)
+    arrivals = _arrivals(rng, conversations, spacing)
+    out = []
+    for k, arrival in zip(picks, arrivals):
+        session_turns = [
+            SimTurn(
+                _tokens(rng, int(rng.integers(user[0], user[1] + 1))),
+                int(rng.integers(reply[0], reply[1] + 1)),
+                think=int(rng.exponential(think)) if i else 0,
+            )
+            for i in range(int(rng.integers(turns[0], turns[1] + 1)))
+        ]
+        out.append(SimSession(shared[k], session_turns, arrival))
+    return SimTrace("think_chat", out)
+
+
 CLUSTER_TRACES: dict[str, Callable[[], SimTrace]] = {
     "tenants": tenants,
     "rag_corpus": rag_corpus,
+    "think_chat": think_chat,
 }

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from cluster import PageTier
 from workloads.simulators.cli import main
-from workloads.simulators.cluster import simulate_cluster
+from workloads.simulators.cluster import POOL_ONLY, simulate_cluster
 from workloads.simulators.stats import trace_stats
 from workloads.traces.synthetic import SimSession, SimTrace, SimTurn
 
@@ -39,7 +40,7 @@ def test_cache_aware_reaches_the_ideal_on_a_trace_that_fits_and_beats_round_robi
     assert aware.hit_rate >= 0.95 * stats.ideal_hit_rate
     assert sum(aware.requests_per_replica) == trace.num_requests
 
-    _, index, replicas = keep
+    _, index, replicas, _ = keep
     assert index.num_hashes <= aware.index_max_hashes <= 4 * pages
     for name, sched, _publisher in replicas:
         kv = sched.kv
@@ -75,7 +76,7 @@ def test_small_pools_keep_the_index_within_the_replicas_pools(capsys) -> None:
     result = simulate_cluster(trace, "cache_aware", 3, pages, 16, stats, keep=keep)
     assert result.evicted_pages > 0
     assert result.index_max_hashes <= 3 * pages
-    _, index, replicas = keep
+    _, index, replicas, _ = keep
     for name, sched, _publisher in replicas:
         assert index.view(name).hashes == {p.key for p in sched.kv.tree.walk_pages()}
     main(["--replicas", "2", "--router", "all", "--traces", "shared-prefix", "--capacity", "0.5"])
@@ -92,3 +93,71 @@ def test_the_single_engine_simulators_help_shows_the_cluster_options(capsys) -> 
         main(["--help"])
     text = capsys.readouterr().out
     assert "--replicas" in text and "--router" in text
+
+
+def paused_chats(conversations: int = 16, think: int = 150) -> SimTrace:
+    """Conversations of three turns on prefixes of their own, arriving every 1-5 steps, the
+    user pausing ``think`` steps or up to twice that between turns, so that the others push a
+    chat's pages out of the pool meanwhile (and the order of turns is not the order of chats:
+    a router blind to where the chats are cannot follow them by luck)."""
+    rng = np.random.default_rng(3)
+    sessions = []
+    arrival = 0
+    for _ in range(conversations):
+        turns = [
+            SimTurn(_tokens(rng, 16), 16, think=int(rng.integers(think, 2 * think)) if t else 0)
+            for t in range(3)
+        ]
+        sessions.append(SimSession(_tokens(rng, 64), turns, arrival=arrival))
+        arrival += int(rng.integers(1, 6))
+    return SimTrace("paused", sessions)
+
+
+def test_tier_aware_routing_sends_a_follow_up_to_the_replica_that_wrote_it_down() -> None:
+    trace = paused_chats()
+    stats = trace_stats(trace, 16)
+    pool = 2 * stats.largest_request_pages  # a few chats at a time
+    host = stats.working_set_pages  # everything fits below
+    results = {}
+    for router in ("cache_aware", POOL_ONLY, "least_loaded"):
+        keep: list[object] = []
+        results[router] = simulate_cluster(
+            trace, router, 2, pool, 16, stats, keep=keep, host_pages=host
+        )
+        routed = keep[3]
+        assert len(routed) == results[router].later_requests == 32
+    aware, blind, least = results["cache_aware"], results[POOL_ONLY], results["least_loaded"]
+    assert aware.loaded_below > 0 and aware.dropped_below == 0
+    # Every follow-up whose chat one replica held (in the pool or below) went there...
+    assert aware.routing_decisive > 0 and aware.routing_accuracy == 1.0
+    # ...and found its history there: the trace hits as one infinite cache would.
+    assert aware.hit_ratio > 0.97
+    assert aware.later_below_hit_rate > aware.later_pool_hit_rate  # the pauses pushed it down
+    for other in (blind, least):
+        assert other.routing_accuracy < aware.routing_accuracy
+        later = other.later_pool_hit_rate + other.later_below_hit_rate
+        assert later < aware.later_pool_hit_rate + aware.later_below_hit_rate
+
+
+def test_with_tiers_every_page_is_accounted_for_and_the_table_shows_later_turns(capsys) -> None:
+    trace = paused_chats(conversations=8, think=60)
+    stats = trace_stats(trace, 16)
+    keep: list[object] = []
+    pool = 2 * stats.largest_request_pages
+    result = simulate_cluster(
+        trace, "cache_aware", 2, pool, 16, stats, keep=keep, host_pages=6, disk_pages=12
+    )
+    assert result.written_below > 0 and result.dropped_below > 0
+    _, index, replicas, _ = keep
+    for name, sched, publisher in replicas:
+        view = index.view(name)
+        counts = view.tier_counts()
+        assert counts[PageTier.DEVICE] == len(list(sched.kv.tree.walk_pages()))
+        assert counts == publisher.tier_counts()
+        assert counts[PageTier.HOST] + counts[PageTier.DISK] <= 6 + 12
+    main([
+        "--replicas", "2", "--router", "cache_aware", POOL_ONLY, "--traces", "multi-turn",
+        "--capacity", "0.05", "--host-capacity", "0.3",
+    ])
+    out = capsys.readouterr().out
+    assert "tier hit" in out and "to holder" in out and POOL_ONLY in out

@@ -95,9 +95,9 @@ class PageStats:
     evicted: int
     pinned: int = 0  # pages kept by pins (radix/pins.py), a part of ``cached``
     pins: int = 0
-
-
     pins_released: int = 0  # pins ended by their lifetime, the budget or a need for pages
+
+
 class KVManager:
     """Owns the ``RadixCache`` and the ``PageAllocator`` of one KV pool of ``num_pages``.
 
@@ -188,6 +188,7 @@ class KVManager:
             evicted=self._evicted,
             pinned=self._pins.pinned_pages(),
             pins=len(self._pins.pins),
+            pins_released=self._pins.released,
         )
 
     def subscribe(self, listener: Callable[[KVEvent], None]) -> None:
@@ -198,7 +199,6 @@ class KVManager:
             self._tiers.subscribe(listener)
 
     # ------------------------------------------------------------------ requests' KV
-            pins_released=self._pins.released,
 
     def match(self, tokens: Sequence[int], namespace: str | None = None) -> PrefixMatch:
         """The longest cached page-aligned prefix of ``tokens`` (nothing is locked)."""
@@ -363,6 +363,14 @@ class KVManager:
         """Release the pins whose lifetime ended by ``now``; how many."""
         return len(self._pins.expire(now))
 
+    def release_oldest_pin(self) -> bool:
+        """End the oldest pin early (its pages are needed); False when there are none."""
+        return self._pins.release_oldest()
+
+    def next_pin_expiry(self) -> float | None:
+        """When the first live pin's lifetime ends (None: no pins)."""
+        return self._pins.next_expiry()
+
     @property
     def pins_released(self) -> int:
         """Pins ended by their lifetime or the budget so far (only grows)."""
@@ -373,14 +381,6 @@ class KVManager:
     def check(self, handles: Iterable[CacheHandle]) -> None:
         """Raise AssertionError unless every page is in exactly one place: free, the tree, or
         one of ``handles``' private tails (all live handles must be given), and each handle's
-    def release_oldest_pin(self) -> bool:
-        """End the oldest pin early (its pages are needed); False when there are none."""
-        return self._pins.release_oldest()
-
-    def next_pin_expiry(self) -> float | None:
-        """When the first live pin's lifetime ends (None: no pins)."""
-        return self._pins.next_expiry()
-
         tree part is exactly the path to its locked node."""
         tree, allocator, p = self._tree, self._allocator, self._page_size
         tree.check_invariants()

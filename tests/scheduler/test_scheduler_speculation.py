@@ -44,44 +44,53 @@ class LoopingModel:
         return 10 + (a * 31 + b * 7 + c * 3 + len(tokens) // 50) % ALPHABET
 
     def step(self, batch: Batch) -> list[list[int]]:
+        """As the runner does: every entry that is not a twin computed first (a twin may come
+        before its leader in the batch), then each twin given its leader's K/V and tokens."""
         p = self.page_size
-        out: list[list[int]] = []
         computed: dict[int, list[int]] = {}
         for entry in batch.entries:
-            request = entry.request
+            if entry.twin_of is None:
+                computed[id(entry)] = self._compute(entry)
+        out: list[list[int]] = []
+        for entry in batch.entries:
+            leader = entry.twin_of
+            if leader is None:
+                out.append(computed[id(entry)])
+                continue
+            request, lead = entry.request, leader.request
             tokens = request.prompt + request.output + entry.draft
             assert entry.input_ids == tokens[entry.start_pos : entry.kv_len]
-            leader = entry.twin_of
-            if leader is not None:  # as the runner does: the leader's K/V and tokens, copied
-                lead = leader.request
-                assert tokens == lead.prompt + lead.output + leader.draft
-                assert request.namespace == lead.namespace
-                for pos, dst in zip(range(entry.start_pos, entry.kv_len), entry.slots):
-                    self.kv[dst] = self.kv[leader.pages[pos // p] * p + pos % p]
-                known = entry.draft[: leader.start_pos - entry.start_pos]
-                out.append(known + computed[id(leader)])
-                continue
-            address = 0
-            for pos in range(entry.kv_len):
-                address = hash((address, tokens[pos]))
-                slot = entry.pages[pos // p] * p + pos % p
-                if pos < entry.start_pos:
-                    assert self.kv.get(slot) == address, f"{request.id} reads foreign K/V at {pos}"
-                else:
-                    self.kv[slot] = address
-            if not entry.sample:
-                out.append([])
-                continue
-            base = request.prompt + request.output
-            accepted: list[int] = []
-            for j in range(len(entry.draft) + 1):
-                token = self.next_token(request, base + entry.draft[:j])
-                accepted.append(token)
-                if j == len(entry.draft) or token != entry.draft[j]:
-                    break
-            computed[id(entry)] = accepted
-            out.append(accepted)
+            assert tokens == lead.prompt + lead.output + leader.draft
+            assert request.namespace == lead.namespace
+            for pos, dst in zip(range(entry.start_pos, entry.kv_len), entry.slots):
+                self.kv[dst] = self.kv[leader.pages[pos // p] * p + pos % p]
+            known = entry.draft[: leader.start_pos - entry.start_pos]
+            out.append(known + computed[id(leader)])
         return out
+
+    def _compute(self, entry: Any) -> list[int]:
+        p = self.page_size
+        request = entry.request
+        tokens = request.prompt + request.output + entry.draft
+        assert entry.input_ids == tokens[entry.start_pos : entry.kv_len]
+        address = 0
+        for pos in range(entry.kv_len):
+            address = hash((address, tokens[pos]))
+            slot = entry.pages[pos // p] * p + pos % p
+            if pos < entry.start_pos:
+                assert self.kv.get(slot) == address, f"{request.id} reads foreign K/V at {pos}"
+            else:
+                self.kv[slot] = address
+        if not entry.sample:
+            return []
+        base = request.prompt + request.output
+        accepted: list[int] = []
+        for j in range(len(entry.draft) + 1):
+            token = self.next_token(request, base + entry.draft[:j])
+            accepted.append(token)
+            if j == len(entry.draft) or token != entry.draft[j]:
+                break
+        return accepted
 
 
 def run(

@@ -19,7 +19,7 @@ from engine.model.cuda.step_buffers import StepBuffers
 from engine.model.forward_batch import ForwardBatch, StepIndex
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
-from engine.model.sampler import Sampler, token_logprobs
+from engine.model.sampler import Sampler, sampled_with_logprobs, token_logprobs
 from engine.model.structured import Grammars
 from scheduler.batch import Batch, BatchEntry, slots_for
 
@@ -211,14 +211,11 @@ class ModelRunner:
         tokens = self.sampler.sample(
             allowed, [r.params for r in requests], steps, [r.prompt for r in requests], outputs
         )
-        sampled = tokens.tolist()
         wants = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
-        found: dict[int, TokenLogprob] = {}
-        if wants:
-            picked = torch.tensor(wants, device=logits.device)
-            found = dict(zip(wants, token_logprobs(
-                logits[picked], tokens[picked], [requests[j].params.logprobs for j in wants]
-            )))
+        sampled, scores = sampled_with_logprobs(
+            tokens, logits, wants, [requests[j].params.logprobs for j in wants]
+        )  # one copy to the host per step
+        found: dict[int, TokenLogprob] = dict(zip(wants, scores))
         for i, first in spans:
             draft = entries[i].draft
             accepted = 0

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from engine.model.sampler import Sampler, gumbel_noise, mix32, uniform_of_hash
+from engine.model.sampler import (
+    Sampler,
+    gumbel_noise,
+    mix32,
+    sampled_with_logprobs,
+    uniform_of_hash,
+)
 from scheduler import SamplingParams
 
 VOCAB = 50
@@ -194,3 +200,24 @@ def test_mix32_is_a_32_bit_bijection_on_a_sample() -> None:
     assert int(h.min()) >= 0 and int(h.max()) < 1 << 32
     assert h.unique().numel() == x.numel()
     assert math.isclose(float(h.float().mean()) / 2**32, 0.5, abs_tol=0.01)
+
+
+@pytest.mark.parametrize("counts", [[], [0], [3], [0, 5, 2]])
+def test_one_packed_copy_reads_what_separate_reads_gave(counts: list[int]) -> None:
+    """``sampled_with_logprobs`` packs tokens, log-probabilities, ranks and alternatives into
+    one float64 tensor for one device-to-host copy: every value is exactly what reading each
+    part alone gives (float32 log-probabilities and token ids are exact in float64)."""
+    gen = torch.Generator().manual_seed(len(counts))
+    logits = torch.randn(5, 300, generator=gen) * 4
+    tokens = torch.randint(0, 300, (5,), generator=gen)
+    rows = [4, 1, 2][: len(counts)]
+    sampled, scores = sampled_with_logprobs(tokens, logits, rows, counts)
+    assert sampled == tokens.tolist()
+    logp = logits.float().log_softmax(dim=-1)
+    for row, count, score in zip(rows, counts, scores, strict=True):
+        token = int(tokens[row])
+        assert score.token_id == token
+        assert score.logprob == logp[row, token].item()
+        assert score.rank == int((logp[row] > logp[row, token]).sum()) + 1
+        values, ids = logp[row].topk(count) if count else (torch.empty(0), torch.empty(0))
+        assert score.top == list(zip(ids.tolist(), values.tolist()))

@@ -7,6 +7,9 @@ STAMP   := $(VENV)/.setup-stamp
 .PHONY: setup test sanitize lint bench demo clean
 
 setup: $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  echo "note: tests/server/test_inspect_browser.py (the inspector page in a real browser) is" \
+	  "skipped without Chromium; install it with: sudo apt-get install -y chromium"
 
 # Re-running setup on a set-up tree is a no-op unless pyproject.toml changed.
 $(STAMP): pyproject.toml

@@ -11,7 +11,6 @@ off the loop.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 
 import msgspec
 
@@ -23,26 +22,33 @@ DEFAULT_BUDGET = 400
 HEAD_TOKENS = 12  # token ids kept per node: enough for a short label
 
 
-class NodeView(msgspec.Struct, frozen=True):
+class NodeView(msgspec.Struct, frozen=True, gc=False):
     """One shown node: a run of ``pages`` pages holding ``tokens`` tokens that starts
     ``offset`` tokens into its namespace's prefixes. ``parent`` is the index of its parent
     in ``TreeSnapshot.nodes`` (-1: directly under its namespace's root). ``recency`` ranks
     its last use among the shown nodes (1.0 the newest, 0.0 the oldest). ``in_flight``: a
     running request holds it; ``pinned``: a pin keeps it. ``hidden_children`` children (and
     the ``hidden_tokens`` they hold themselves, their subtrees not counted) were left out by
-    the budget."""
+    the budget. ``head_bytes``: its first token ids as canonical bytes (``head``), and no
+    field the garbage collector tracks: a snapshot of 10k nodes on the loop thread must not
+    set off a collection of the engine's whole heap."""
 
     namespace: int  # index into TreeSnapshot.namespaces
     parent: int
     offset: int
     tokens: int
     pages: int
-    head: list[int]
+    head_bytes: bytes
     recency: float
     in_flight: bool
     pinned: bool
     hidden_children: int = 0
     hidden_tokens: int = 0
+
+    @property
+    def head(self) -> list[int]:
+        """The node's first token ids (a label's source)."""
+        return decode_tokens(self.head_bytes)
 
 
 class NamespaceView(msgspec.Struct, frozen=True):
@@ -72,69 +78,74 @@ def snapshot_tree(
     kv: KVManager, budget: int = DEFAULT_BUDGET, head_tokens: int = HEAD_TOKENS
 ) -> TreeSnapshot:
     """Up to ``budget`` nodes of ``kv``'s tree, breadth first; call on the thread that owns
-    ``kv`` (the engine loop). Costs O(nodes shown + the children of the nodes expanded)."""
+    ``kv`` (the engine loop). Costs O(nodes shown + the children of the nodes expanded), in
+    flat lists (no per-node tuple or list for the garbage collector to count)."""
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
         raise ValueError(f"budget: must be an int >= 0, got {budget!r}")
     tree = kv.tree
     pin_counts = _pin_counts(kv)
-    names = tree.namespaces
     namespaces: list[NamespaceView] = []
-    # (node, its namespace's index, its parent's index, tokens before it)
-    queue: deque[tuple[Node, int, int, int]] = deque()
-    left = budget
-    for index, name in enumerate(names):
+    # The shown nodes in breadth-first order, each node's fields in parallel lists; the
+    # cursor walks them as the queue.
+    nodes: list[Node] = []
+    spaces: list[int] = []
+    parents: list[int] = []
+    offsets: list[int] = []
+    for index, name in enumerate(tree.namespaces):
         root = tree.root(name)
-        shown, hidden, hidden_tokens = _children(root, left)
-        left -= len(shown)
+        added, hidden, hidden_tokens = _take_children(root, budget - len(nodes), nodes)
         namespaces.append(NamespaceView(name, hidden, hidden_tokens))
-        queue.extend((child, index, -1, 0) for child in shown)
-    rows: list[tuple[Node, int, int, int]] = []
-    hidden_of: list[tuple[int, int]] = []
-    while queue:
-        node, namespace, parent, offset = queue.popleft()
-        here = len(rows)
-        rows.append((node, namespace, parent, offset))
-        shown, hidden, hidden_tokens = _children(node, left)
-        left -= len(shown)
-        hidden_of.append((hidden, hidden_tokens))
-        below = offset + len(node.key) // TOKEN_BYTES
-        queue.extend((child, namespace, here, below) for child in shown)
-    order = sorted(range(len(rows)), key=lambda i: rows[i][0].last_access)
-    recency = [0.0] * len(rows)
+        spaces.extend([index] * added)
+        parents.extend([-1] * added)
+        offsets.extend([0] * added)
+    hidden_counts: list[int] = []
+    hidden_token_counts: list[int] = []
+    cursor = 0
+    while cursor < len(nodes):
+        node = nodes[cursor]
+        added, hidden, hidden_tokens = _take_children(node, budget - len(nodes), nodes)
+        hidden_counts.append(hidden)
+        hidden_token_counts.append(hidden_tokens)
+        spaces.extend([spaces[cursor]] * added)
+        parents.extend([cursor] * added)
+        offsets.extend([offsets[cursor] + len(node.key) // TOKEN_BYTES] * added)
+        cursor += 1
+    count = len(nodes)
+    order = sorted(range(count), key=lambda i: nodes[i].last_access)
+    recency = [1.0] * count
     for rank, i in enumerate(order):
-        recency[i] = rank / (len(order) - 1) if len(order) > 1 else 1.0
+        recency[i] = rank / (count - 1) if count > 1 else 1.0
     head_bytes = head_tokens * TOKEN_BYTES
-    nodes = []
-    for i, (node, namespace, parent, offset) in enumerate(rows):
-        pins = pin_counts.get(id(node), 0)
-        nodes.append(
-            NodeView(
-                namespace=namespace,
-                parent=parent,
-                offset=offset,
-                tokens=len(node.key) // TOKEN_BYTES,
-                pages=len(node.pages),
-                head=decode_tokens(node.key[:head_bytes]),
-                recency=recency[i],
-                in_flight=node.lock_ref > pins,
-                pinned=pins > 0,
-                hidden_children=hidden_of[i][0],
-                hidden_tokens=hidden_of[i][1],
-            )
+    views = [
+        NodeView(
+            namespace=spaces[i],
+            parent=parents[i],
+            offset=offsets[i],
+            tokens=len(node.key) // TOKEN_BYTES,
+            pages=len(node.pages),
+            head_bytes=node.key[:head_bytes],
+            recency=recency[i],
+            in_flight=node.lock_ref > pin_counts.get(id(node), 0),
+            pinned=id(node) in pin_counts,
+            hidden_children=hidden_counts[i],
+            hidden_tokens=hidden_token_counts[i],
         )
-    return TreeSnapshot(namespaces, nodes, tree.num_nodes, budget, kv.page_size)
+        for i, node in enumerate(nodes)
+    ]
+    return TreeSnapshot(namespaces, views, tree.num_nodes, budget, kv.page_size)
 
 
-def _children(node: Node, left: int) -> tuple[list[Node], int, int]:
-    """The children to show (at most ``left``, the most recently used), how many are not
-    shown and the tokens those hold themselves."""
+def _take_children(node: Node, left: int, out: list[Node]) -> tuple[int, int, int]:
+    """Append the children to show to ``out`` (at most ``left``, the most recently used);
+    returns how many were added, how many were not and the tokens those hold themselves."""
     children = node.children
     if len(children) <= left:
-        return list(children.values()), 0, 0
+        out.extend(children.values())
+        return len(children), 0, 0
     shown = heapq.nlargest(max(left, 0), children.values(), key=_last_access)
-    kept = {id(child) for child in shown}
-    hidden_tokens = sum(len(c.key) for c in children.values() if id(c) not in kept)
-    return shown, len(children) - len(shown), hidden_tokens // TOKEN_BYTES
+    out.extend(shown)
+    hidden_bytes = sum(len(c.key) for c in children.values()) - sum(len(c.key) for c in shown)
+    return len(shown), len(children) - len(shown), hidden_bytes // TOKEN_BYTES
 
 
 def _pin_counts(kv: KVManager) -> dict[int, int]:

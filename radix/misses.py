@@ -36,7 +36,8 @@ class RequestMiss(msgspec.Struct, frozen=True):
     """One admitted request: of ``prompt_tokens``, ``cached_tokens`` came from the cache
     (pool or tiers), ``missed_tokens`` whole-page tokens were computed for ``reason``, and
     ``boundary_tokens`` were past the last page it could take from the tree. ``at`` is the
-    wall-clock time of admission; ``head`` the prompt's first token ids (a label)."""
+    wall-clock time of admission; ``head`` the prompt's first token ids (a label), ``tail``
+    the first ones it computed (where it left the cache)."""
 
     at: float
     namespace: str | None
@@ -46,6 +47,7 @@ class RequestMiss(msgspec.Struct, frozen=True):
     boundary_tokens: int
     reason: str
     head: list[int]
+    tail: list[int]
 
 
 class MissTracker:
@@ -105,6 +107,7 @@ class MissTracker:
             boundary_tokens=len(prompt) - max(matchable, cached),
             reason=reason,
             head=list(prompt[: self._head_tokens]),
+            tail=list(prompt[cached : cached + self._head_tokens]),
         )
         self.recent.append(report)
         return report

@@ -118,6 +118,8 @@ def summary(state: dict[str, Any], requests: int = 10) -> str:
             f"  {when} {row['replica']:<12.12} {row['cached_tokens']:>6,} / "
             f"{row['prompt_tokens']:<6,} {why:<16} {label!r}"
         )
+        if row["computed_from"]:
+            lines.append(f"{'':>43}computed from {row['computed_from']!r}")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 LABEL_CHARS = 48
-ROUTES_SHOWN = 40
+ROUTES_SHOWN = 25
 TOP_PREFIXES = 10
 
 
@@ -31,14 +31,17 @@ def namespace_id(name: str | None) -> str:
 
 def label_sources(snapshots: Mapping[str, Any], salts: Collection[str]) -> list[list[int]]:
     """Every token-id run that needs decoding, in the order ``build_state`` reads them back:
-    visible nodes' heads, then visible requests' heads newest first, replica by replica."""
+    visible nodes' heads, then visible requests' heads and tails newest first, replica by
+    replica."""
     runs: list[list[int]] = []
     for snapshot in snapshots.values():
         names = [ns.name for ns in snapshot.tree.namespaces]
         runs.extend(
             node.head for node in snapshot.tree.nodes if _visible(names[node.namespace], salts)
         )
-        runs.extend(r.head for r in reversed(snapshot.requests) if _visible(r.namespace, salts))
+        for r in reversed(snapshot.requests):
+            if _visible(r.namespace, salts):
+                runs.extend((r.head, r.tail))
     return runs
 
 
@@ -117,6 +120,7 @@ def _replica(name: str, snapshot: Any, salts: Collection[str], texts: Any) -> di
                 "at": r.at,
                 "namespace": namespace_id(r.namespace),
                 "label": _label(next(texts)) if visible else None,
+                "computed_from": _label(next(texts)) if visible else None,
                 "prompt_tokens": r.prompt_tokens,
                 "cached_tokens": r.cached_tokens,
                 "missed_tokens": r.missed_tokens,

@@ -31,6 +31,7 @@ def test_a_prompt_never_seen_is_named_so() -> None:
     report = admit(kv, misses, list(range(1, 19)))
     assert (report.reason, report.cached_tokens, report.missed_tokens) == ("never_seen", 0, 16)
     assert report.boundary_tokens == 2 and report.prompt_tokens == 18
+    assert report.head == report.tail == list(range(1, 17))
     assert list(misses.recent) == [report]
 
 
@@ -41,7 +42,7 @@ def test_a_cached_prompt_misses_only_its_page_boundary() -> None:
     cached(kv, prompt)
     report = admit(kv, misses, prompt)
     assert (report.reason, report.cached_tokens, report.missed_tokens) == ("page_boundary", 16, 0)
-    assert report.boundary_tokens == 2
+    assert report.boundary_tokens == 2 and report.tail == [17, 18]
 
 
 def test_a_prefix_held_by_another_namespace_is_named() -> None:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from cluster.cli import main as cli_main
 from engine import Engine
 from server import ServerConfig, create_app
 from server.inspect_cli import summary
@@ -126,6 +127,16 @@ def test_the_terminal_summary_names_the_top_prefix_and_the_hit_rate(traffic: str
     assert re.search(r"hit rate \d+\.\d% over \d+ requests", text)
     assert "You are the inspector" in text
     assert "engine: pages" in text
+
+
+def test_radixkv_inspect_prints_the_summary_and_fails_on_a_dead_url(
+    traffic: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["inspect", traffic + "/inspect", "--requests", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "top prefixes" in out and "You are the inspector" in out
+    assert cli_main(["inspect", "http://127.0.0.1:9"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------- reach and auth

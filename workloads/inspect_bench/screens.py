@@ -26,8 +26,8 @@ from workloads.inspect_bench.chromium import HeadlessChromium
 SIZES = {  # small enough for a 2-core machine, big enough to fill a 256-page pool
     "rag": ["documents=10", "requests=40", "doc_tokens=384", "question_tokens=32",
             "max_new_tokens=16"],
-    "chat": ["users=6", "turns=4", "system_tokens=256", "user_tokens=32",
-             "max_new_tokens=24"],
+    "chat": ["users=8", "turns=5", "system_tokens=256", "user_tokens=32",
+             "max_new_tokens=32"],
 }
 
 
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--workload", choices=sorted(SIZES), default="rag")
     parser.add_argument("--replicas", type=int, default=0, help="0: one engine, no Ray")
     parser.add_argument("--num-pages", type=int, default=256)
-    parser.add_argument("--request-rate", default="2")
+    parser.add_argument("--request-rate", default="1", help="sessions per second")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--every-s", type=float, default=6.0, help="screenshot interval")
+    parser.add_argument("--every-s", type=float, default=3.0, help="screenshot interval")
     args = parser.parse_args(argv)
 
     port = free_port()

@@ -181,6 +181,34 @@ def test_bad_input_is_a_400_naming_the_field(cluster_url: str) -> None:
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_the_inspector_shows_one_column_per_replica_and_where_requests_went(
+    cluster_url: str,
+) -> None:
+    for i in range(3):
+        reply = httpx.post(cluster_url + "/v1/completions", timeout=120, json={
+            "prompt": f"{SYSTEM} Question {i}: where are the hammers?", "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+    # The first read asks the replicas for snapshots; they post them within a second or two.
+    deadline = time.monotonic() + 60
+    while True:
+        body = httpx.get(cluster_url + "/inspect/state", timeout=30).json()
+        if len(body["replicas"]) == 2:
+            break
+        assert time.monotonic() < deadline, body
+        time.sleep(0.5)
+    names = {r["name"] for r in body["replicas"]}
+    assert names == set(replicas(cluster_url))
+    assert any(r["tree"]["total_nodes"] > 0 for r in body["replicas"])  # one prefix: one replica
+    # the requests, each with the replica that served it; tenants' text stays hidden (no
+    # salt was sent)
+    assert {r["replica"] for r in body["routes"]} <= names
+    mine = [r for r in body["routes"] if r["label"] and "careful assistant" in r["label"]]
+    assert len(mine) >= 3, body["routes"]
+    assert body["totals"]["requests"] == sum(
+        s["counters"]["requests"] for s in replicas(cluster_url).values())
+    assert all(r["label"] is None for r in body["routes"] if r["namespace"] != "default")
+
+
 def test_every_page_is_accounted_for_after_a_client_leaves_mid_stream(
     client: Any, cluster_url: str
 ) -> None:

@@ -144,7 +144,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     body = response_items.response_object(
         req, turn.id, turn.created_at, state.config.model_name, output, items
     )
-    if req.store:
+    if req.store and output.finish_reason != "abort":  # a cut-off turn is not kept
         await _keep(state, turn.record(output, body))
     return JSONResponse(body)
 
@@ -259,7 +259,7 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
             body = response_items.response_object(
                 req, turn.id, turn.created_at, model, output, items
             )
-            if req.store:
+            if req.store and output.finish_reason != "abort":
                 await _keep(state, turn.record(output, body))
             kind = "response.incomplete" if body["status"] == "incomplete" else (
                 "response.completed"

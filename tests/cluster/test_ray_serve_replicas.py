@@ -164,6 +164,28 @@ def test_both_replicas_serve_and_a_shared_prefix_stays_on_one(
     assert all(s["counters"]["requests"] > 0 for s in replicas(cluster_url).values())
 
 
+def test_stored_conversations_continue_on_the_replica_that_holds_them(client: Any) -> None:
+    """/v1/responses in front of replicas: the front keeps the conversations; each follow-up
+    (previous_response_id) starts with its conversation's tokens, so the router sends it to
+    the replica that ran the earlier turns (and pinned them there), and it hits."""
+    tenant = uuid.uuid4().hex
+    talks = []
+    for topic in ("paint rollers", "garden hoses", "drill bits", "door hinges"):
+        first = client.responses.create(
+            input=f"{SYSTEM} Tell me about {topic} in two sentences.", max_output_tokens=12,
+            temperature=0, extra_body={"cache_salt": tenant},
+        )
+        talks.append(first)
+    time.sleep(0.5)  # the replicas' KV events reach the router
+    for first in talks:
+        follow = client.responses.create(
+            input="And the price?", previous_response_id=first.id, max_output_tokens=4,
+            temperature=0, extra_body={"cache_salt": tenant},
+        )
+        held = (first.usage.input_tokens + first.usage.output_tokens - 1) // 16 * 16
+        assert follow.usage.input_tokens_details.cached_tokens >= held, (first.usage, follow.usage)
+
+
 def test_bad_input_is_a_400_naming_the_field(cluster_url: str) -> None:
     reply = httpx.post(
         cluster_url + "/v1/completions",

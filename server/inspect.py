@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import functools
 import ipaddress
 from collections.abc import Callable, Mapping
@@ -112,7 +113,7 @@ class Inspector:
         salts = _salts(request.headers.get(SALTS_HEADER, ""))
         try:
             taken = await asyncio.to_thread(self._snapshots, budget)
-        except TimeoutError:
+        except (TimeoutError, concurrent.futures.TimeoutError):  # distinct before 3.11
             raise engine_dead("the engine did not answer the inspector in time") from None
         return await _state(state, dict(sorted(taken.items())), salts, budget)
 

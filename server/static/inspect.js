@@ -339,9 +339,10 @@ function drawRoutes(routes) {
     tr.append(el("td", { class: "replica-col" }, r.replica));
     tr.append(el("td", {}, r.namespace));
     tr.append(r.label === null ? el("td", { class: "prompt muted" }, "(another tenant's text)")
-                               : el("td", { class: "prompt" }, r.label));
+                               : el("td", { class: "prompt", title: r.label }, r.label));
     tr.append(r.computed_from === null ? el("td", { class: "prompt muted" }, "–")
-                                       : el("td", { class: "prompt" }, r.computed_from));
+                                       : el("td", { class: "prompt", title: r.computed_from },
+                                            r.computed_from));
     tr.append(el("td", {}, `${int(r.cached_tokens)} / ${int(r.prompt_tokens)}`));
     const why = r.missed_tokens
       ? `${REASONS[r.reason] || r.reason}: ${int(r.missed_tokens)} tokens` +

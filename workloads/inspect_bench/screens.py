@@ -61,7 +61,7 @@ def shrink(path: Path) -> None:
     from PIL import Image
 
     with Image.open(path) as image:
-        image.convert("RGB").quantize(colors=128).save(path, optimize=True)
+        image.convert("RGB").quantize(colors=64).save(path, optimize=True)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from starlette.testclient import TestClient
 
 from engine import Engine
 from server import ServerConfig, create_app
-from server.response_store import ResponseStore, StoredResponse
+from server.response_store import ResponseStore, StoredResponse, StoreFullError
 
 DOCUMENT = " ".join(f"Clause {i}: the tenant keeps the garden of plot {i} tidy." for i in range(8))
 FILLERS = [
@@ -96,3 +101,60 @@ def test_the_store_holds_its_bounds(tmp_path: Path, limit: str) -> None:
     assert len(store) <= 2
     assert store.delete("a", "t") and not store.delete("a", "t")
     store.close()
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """The store against a dict of what it should hold: a tenant reads and deletes only its
+    own rows, the bounds always hold, a refused put changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folder = tempfile.TemporaryDirectory()
+        self.store = ResponseStore(Path(self.folder.name) / "s.sqlite3", max_responses=5,
+                                   max_bytes=2000)
+        self.model: dict[str, tuple[str, int]] = {}  # id -> (tenant, size)
+        self.ids = 0
+
+    @rule(tenant=st.sampled_from(["", "a", "b"]), tokens=st.integers(0, 120))
+    def put(self, tenant: str, tokens: int) -> None:
+        self.ids += 1
+        record = StoredResponse(id=f"r{self.ids}", tenant=tenant, created_at=0, history=[],
+                                token_ids=[7] * tokens, body={"n": self.ids})
+        size = len(msgspec.json.encode(record))
+        fits = (len(self.model) < 5
+                and sum(s for _, s in self.model.values()) + size <= 2000)
+        try:
+            self.store.put(record)
+        except StoreFullError:
+            assert not fits
+        else:
+            assert fits
+            self.model[record.id] = (tenant, size)
+
+    @rule(tenant=st.sampled_from(["", "a", "b"]), pick=st.integers(0, 30))
+    def get(self, tenant: str, pick: int) -> None:
+        rid = f"r{pick}"
+        found = self.store.get(rid, tenant)
+        owner = self.model.get(rid)
+        assert (found is not None) == (owner is not None and owner[0] == tenant)
+
+    @rule(tenant=st.sampled_from(["", "a", "b"]), pick=st.integers(0, 30))
+    def delete(self, tenant: str, pick: int) -> None:
+        rid = f"r{pick}"
+        owner = self.model.get(rid)
+        mine = owner is not None and owner[0] == tenant
+        assert self.store.delete(rid, tenant) == mine
+        if mine:
+            del self.model[rid]
+
+    @invariant()
+    def holds_what_it_should(self) -> None:
+        assert len(self.store) == len(self.model) <= 5
+
+    def teardown(self) -> None:
+        self.store.close()
+        self.folder.cleanup()
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -11,13 +11,14 @@ conversation alike and hit the same cache.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
 from engine import StructuredOutputsParams
 from engine import tools as tool_format
 from engine.api import RequestOutput, ToolCall
-from server.errors import invalid
+from server.errors import APIError, invalid
 from server.protocol import SamplingFields
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
@@ -163,6 +164,18 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
         function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters")}
         out.append({"type": "function", "function": function})
     return out
+
+
+def flat_tool_error(error: APIError) -> APIError:
+    """A tool error named in chat's shape (``tools[0].function.parameters``) in the Responses
+    API's flat one (``tools[0].parameters``)."""
+    return APIError(
+        error.status, _FUNCTION.sub(r"\1.", error.message), error.type,
+        None if error.param is None else _FUNCTION.sub(r"\1.", error.param), error.code,
+    )
+
+
+_FUNCTION = re.compile(r"(tools\[\d+\])\.function\.")
 
 
 def chat_tool_choice(choice: Any) -> Any:

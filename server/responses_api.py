@@ -53,9 +53,12 @@ class Turn:
             *response_items.input_messages(req.input),
         ]
         tools = response_items.chat_tools(req.tools)
-        self.tools = protocol.tool_use(
-            tools, response_items.chat_tool_choice(req.tool_choice), req.parallel_tool_calls
-        )
+        try:
+            self.tools = protocol.tool_use(
+                tools, response_items.chat_tool_choice(req.tool_choice), req.parallel_tool_calls
+            )
+        except APIError as exc:  # chat's field names in the Responses API's flat ones
+            raise response_items.flat_tool_error(exc) from None
         self.ids: list[int] = []
 
     def messages(self) -> list[dict[str, str]]:

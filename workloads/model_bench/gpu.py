@@ -7,6 +7,8 @@
 - **decode steps and prefill** of the whole model (``--model``) against their floors (weights
   and KV read once per step; prefill FLOPs at the measured bf16 matrix-product peak);
 - **shared-prefix workload**, cache on vs off (8 groups x 8 requests on 1,000-token prefixes);
+- **where a decode step goes** (last): wall time against the GPU's busy time, kernel launches
+  and copies, eager and in graphs, from one profiled step;
 - **exactness**: greedy answers with the cache on vs off and alone vs batched, and whether a
   prompt's logits are bit-identical alone and inside a batch, with FlashInfer's default
   settings and its deterministic ones (``batch_invariant=True``: fixed split size, no cascade).
@@ -206,6 +208,42 @@ def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]
     return rows
 
 
+def profile_rows(loaded: Any) -> list[list[object]]:
+    """Where a decode step's time goes, eager and in graphs (deterministic plan): one step
+    under torch's profiler gives the GPU's busy time, the kernels launched from the host
+    (a graph replay counts as one launch) and the copies; the step's wall time is measured
+    apart (the profiler slows the host). Wall well above GPU time: still host-bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    launch_calls = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                    "cuLaunchKernelEx", "cudaGraphLaunch")
+    rows: list[list[object]] = []
+    for graphs in (False, True):
+        for b, ctx in ((8, 512), (64, 2048)):
+            pages = b * -(-(ctx + 1) // 16) + 8
+            runner = decode_runner(loaded, pages, True, graphs, max(b, 8))
+            batch = decode_batch([ctx] * b, 16)
+            wall = cuda_time(partial(runner.step, batch))
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                runner.step(batch)
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            busy_us = sum(
+                getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                for e in events
+            )
+            launches = sum(e.count for e in events if e.key in launch_calls)
+            copies = sum(e.count for e in events if "memcpy" in e.key.lower())
+            rows.append([
+                "graphs" if graphs else "eager", b, ctx, f"{wall * 1e3:.2f}",
+                f"{busy_us / 1e3:.2f}", f"{wall * 1e6 / max(busy_us, 1e-9):.1f}x", launches,
+                copies,
+            ])
+            del runner
+    return rows
+
+
 def shared_prefix_rows(loaded: Any, prefix: int) -> list[list[object]]:
     """8 groups x 8 requests, ``prefix`` tokens each, 60-token questions, 32 tokens out, with
     the engine's default settings on CUDA (deterministic plan, decode graphs)."""
@@ -308,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint for speed (default: bundled)")
     ap.add_argument("--exactness-model", default=None, help="checkpoint for exactness")
-    ap.add_argument("--skip", nargs="*", default=[], help="attention model workload exactness")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="attention model profile workload exactness")
     args = ap.parse_args(argv)
     import flashinfer
 
@@ -335,6 +374,15 @@ def main(argv: list[str] | None = None) -> None:
         exact_model = load_model(args.exactness_model, "cuda", "bfloat16")
         print("### Exactness (greedy, 16 prompts, 32 tokens each)\n")
         print(table(["settings", "compared", "same"], exactness_rows(exact_model)) + "\n")
+    if "profile" not in args.skip:
+        print("### Where a decode step goes (deterministic plan, torch profiler, one step)\n")
+        try:
+            found = profile_rows(speed)  # last: its cost may not cut the rest
+        except Exception as exc:  # a profiler failure must not cost the rest of the record
+            print(f"(profile failed: {exc!r})\n", flush=True)
+        else:
+            print(table(["mode", "batch", "context", "wall ms", "GPU busy ms", "wall / GPU",
+                         "launches", "copies"], found) + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def create_app(
         api("/v1/completions", completions.create_completion, "POST"),
         api("/v1/responses", responses_api.create_response, "POST"),
         api("/v1/responses/{response_id}", responses_api.get_response, "GET"),
+        api("/v1/responses/{response_id}/input_items", responses_api.list_input_items, "GET"),
         api("/v1/responses/{response_id}", responses_api.delete_response, "DELETE"),
         api("/v1/models", models.list_models, "GET"),
         api("/v1/models/{model:path}", models.show_model, "GET"),

@@ -110,6 +110,26 @@ def input_messages(given: str | list[Any], field: str = "input") -> list[dict[st
     return messages
 
 
+def as_items(given: str | list[Any]) -> list[dict[str, Any]]:
+    """The input (checked by ``input_messages`` first) as output-shaped items with ids, as
+    ``input_items`` lists them: text becomes a user message of ``input_text``."""
+    entries = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    items = []
+    for entry in entries:
+        item = dict(entry)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = item.get("content")
+            if isinstance(content, str):
+                item["content"] = [{"type": part, "text": content}]
+            item.setdefault("status", "completed")
+        prefix = {"message": "msg", "function_call": "fc"}.get(kind, "fco")
+        item.setdefault("id", new_id(prefix))
+        items.append(item)
+    return items
+
+
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in MESSAGE_ROLES:

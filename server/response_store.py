@@ -48,6 +48,10 @@ class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
     history: list[dict[str, Any]]
     token_ids: list[int]
     body: dict[str, Any]
+    # The conversation's items before this response's output, oldest first (what
+    # ``GET /v1/responses/{id}/input_items`` lists): the earlier turns' inputs and outputs,
+    # then this turn's input.
+    items: list[dict[str, Any]] = []
 
 
 class StoreFullError(Exception):

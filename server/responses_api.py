@@ -52,6 +52,8 @@ class Turn:
             *(previous.history if previous else []),
             *response_items.input_messages(req.input),
         ]
+        earlier = [*previous.items, *previous.body.get("output", [])] if previous else []
+        self.items = [*earlier, *response_items.as_items(req.input)]
         tools = response_items.chat_tools(req.tools)
         try:
             self.tools = protocol.tool_use(
@@ -86,6 +88,7 @@ class Turn:
             history=[*self.history, response_items.reply_message(output, calls)],
             token_ids=[*self.ids, *output.token_ids],
             body=body,
+            items=self.items,
         )
 
 
@@ -159,6 +162,39 @@ async def get_response(state: ServerState, request: Request) -> Response:
     if stored is None:
         raise _no_such(response_id)
     return JSONResponse(stored.body)
+
+
+async def list_input_items(state: ServerState, request: Request) -> Response:
+    """The items a stored response was made from (OpenAI's cursor page: ``order`` desc by
+    default, ``limit`` 1-100 (20), ``after`` an item id)."""
+    check_auth(request, state.config.api_key)
+    response_id = request.path_params["response_id"]
+    stored = await asyncio.to_thread(state.responses.get, response_id, _tenant(request))
+    if stored is None:
+        raise _no_such(response_id)
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid(f"order: expected 'asc' or 'desc', got {order!r}", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise invalid(f"limit: expected an integer in [1, 100], got {query.get('limit')!r}",
+                      param="limit")
+    items = stored.items if order == "asc" else stored.items[::-1]
+    after = query.get("after")
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+        if at is None:
+            raise invalid(f"after: no item {after!r} in this response's input", param="after")
+        items = items[at + 1 :]
+    page = items[:limit]
+    return JSONResponse({
+        "object": "list", "data": page, "has_more": len(items) > limit,
+        "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+    })
 
 
 async def delete_response(state: ServerState, request: Request) -> Response:

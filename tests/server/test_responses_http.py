@@ -160,6 +160,24 @@ def test_one_tenant_can_never_read_continue_or_delete_anothers_response(client) 
     assert mine.output_text == made.output_text
 
 
+def test_input_items_list_the_conversation_before_the_response(client) -> None:
+    first = client.responses.create(input="Name a river.", max_output_tokens=4, **GREEDY)
+    second = client.responses.create(
+        input=[{"role": "user", "content": "And a lake?"}], previous_response_id=first.id,
+        max_output_tokens=4, **GREEDY,
+    )
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [item.type for item in items] == ["message", "message", "message"]
+    assert [item.role for item in items] == ["user", "assistant", "user"]
+    assert items[0].content[0].text == "Name a river."
+    assert items[1].id == first.output[0].id
+    assert items[2].content[0].text == "And a lake?"
+    newest = client.responses.input_items.list(second.id, limit=1)  # desc by default
+    assert [item.id for item in newest.data] == [items[2].id] and newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=5, after=items[2].id)
+    assert [item.id for item in rest.data] == [items[1].id, items[0].id]
+
+
 def test_a_deleted_response_is_gone_and_cannot_be_continued(client) -> None:
     made = client.responses.create(input="Hello.", max_output_tokens=4)
     client.responses.delete(made.id)

@@ -32,11 +32,6 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"balance_threshold: must be >= 0, got {self.balance_threshold}")
         if self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests: must be >= 1, got {self.max_ongoing_requests}")
-        if self.engine.kv_disk_dir is not None:
-            raise ValueError(
-                "kv_disk_dir: not supported with replicas yet (they would share one store); "
-                "use kv_host_bytes"
-            )
 
     @property
     def threads(self) -> int:

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -26,6 +27,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from cluster import disk_slots
 from cluster.config import ClusterConfig
 from cluster.events import KVEventBatch, KVEventPublisher
 from cluster.hub import EventHub
@@ -144,11 +146,20 @@ def bind_replica_grpc_to_node() -> None:
 class EngineReplica:
     """One Engine; streams each ``EngineCall``'s events back and publishes its KV events."""
 
-    def __init__(self, config: EngineConfig, hub_name: str) -> None:
+    def __init__(self, config: EngineConfig, hub_name: str, replicas: int = 1) -> None:
         bind_replica_grpc_to_node()
         import torch
 
         from engine import Engine
+
+        self._disk_slot = None
+        if config.kv_disk_dir is not None:  # a store of its own under the cluster's folder
+            root = Path(config.kv_disk_dir).expanduser()
+            budget = disk_slots.share(root, replicas, config.kv_disk_bytes)
+            self._disk_slot = disk_slots.claim(root, replicas)
+            config = config.replace(
+                kv_disk_dir=str(self._disk_slot.folder), kv_disk_bytes=budget
+            )
 
         # Ray sets OMP threads from the CPU share; be explicit
         torch.set_num_threads(config.threads or 1)
@@ -227,7 +238,9 @@ class EngineReplica:
             self.hub.forget.remote(self.name)
             self.board.forget.remote(self.name)
         if hasattr(self, "engine"):
-            self.engine.close()
+            self.engine.close()  # the pool's pages go down to this replica's disk slot
+        if getattr(self, "_disk_slot", None) is not None:
+            self._disk_slot.release()
 
 
 # ---------------------------------------------------------------------------- front end
@@ -437,5 +450,5 @@ def build_app(config: ClusterConfig) -> Any:
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.threads},
         request_router_config=router_config(config),
-    ).bind(config.engine, config.hub_name)
+    ).bind(config.engine, config.hub_name, config.replicas)
     return OpenAIFront.bind(replicas, config)

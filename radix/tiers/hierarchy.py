@@ -226,22 +226,22 @@ class KVTiers:
         self.cost.observe_compute(tokens, seconds)
 
     def stats(self) -> TierStats:
-        host, disk = self._host, self._disk
+        host, disk = self._host, self._disk  # `is not None`: an empty store is falsy (len 0)
         return TierStats(
-            host_pages=len(host) if host else 0,
-            host_bytes=host.used_bytes if host else 0,
-            host_budget_bytes=host.budget_bytes if host else 0,
-            disk_pages=len(disk) if disk else 0,
-            disk_bytes=disk.used_bytes if disk else 0,
-            disk_budget_bytes=disk.budget_bytes if disk else 0,
+            host_pages=len(host) if host is not None else 0,
+            host_bytes=host.used_bytes if host is not None else 0,
+            host_budget_bytes=host.budget_bytes if host is not None else 0,
+            disk_pages=len(disk) if disk is not None else 0,
+            disk_bytes=disk.used_bytes if disk is not None else 0,
+            disk_budget_bytes=disk.budget_bytes if disk is not None else 0,
             written_host=self._written[Tier.HOST],
             # pages whose write failed (a full disk) were never written
-            written_disk=self._written[Tier.DISK] - (disk.write_errors if disk else 0),
+            written_disk=self._written[Tier.DISK] - (disk.write_errors if disk is not None else 0),
             loaded_host=self._loaded[Tier.HOST],
             loaded_disk=self._loaded[Tier.DISK],
-            dropped=self._dropped + (disk.evicted if disk else 0),
-            corrupt=disk.corrupt if disk else 0,
-            disk_write_errors=disk.write_errors if disk else 0,
+            dropped=self._dropped + (disk.evicted if disk is not None else 0),
+            corrupt=disk.corrupt if disk is not None else 0,
+            disk_write_errors=disk.write_errors if disk is not None else 0,
             skipped_slow=self._skipped_slow,
             load_s_per_page_host=self.cost.load_s_per_page(Tier.HOST),
             load_s_per_page_disk=self.cost.load_s_per_page(Tier.DISK),

@@ -20,7 +20,6 @@ def test_the_replicas_get_the_engine_config_of_the_flags() -> None:
     ("argv", "match"),
     [
         (["--replicas", "0"], "replicas: must be >= 1"),
-        (["--replicas", "2", "--kv-disk-dir", "/tmp/x"], "kv_disk_dir: not supported"),
         (["--replicas", "2", "--page-size", "0"], "page_size: must be an int >= 1"),
         (["--replicas", "2", "--max-queued", "0"], "max_queued: must be an int >= 1"),
         (["--replicas", "2", "--balance-threshold", "-1"], "balance_threshold: must be >= 0"),

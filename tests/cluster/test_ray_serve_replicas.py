@@ -406,3 +406,56 @@ def test_sigterm_refuses_new_requests_lets_short_streams_finish_and_ends_long_on
     short, long = received[20], received[1000]
     assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2], short[-3:]
     assert long[-1] == "data: [DONE]" and '"finish_reason":"abort"' in long[-2], long[-3:]
+
+
+def test_replicas_each_keep_a_disk_tier_of_their_own_and_follow_ups_find_it(
+    tmp_path: Any,
+) -> None:
+    """--kv-disk-dir with replicas: each claims its own store under the folder with its share
+    of the budget; conversations pushed out of the small pools go down to disk, and each
+    follow-up is routed to the replica whose disk holds it (the tier-aware router) and hits."""
+    try:
+        server = ServerProcess(
+            "--replicas", "2", "--threads", "1", "--num-pages", "24",
+            "--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-bytes", "64M",
+            module="cluster.cli", ready_timeout=240.0,
+        )
+    except RuntimeError as exc:
+        pytest.skip(f"Ray Serve could not start here: {str(exc)[-2000:]}")
+    try:
+        _deployed(server)
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        tenant = uuid.uuid4().hex
+        opened = []
+        topics = ("ladders", "sandpaper", "light bulbs", "padlocks", "tape measures", "glue",
+                  "hinges", "drill bits", "paint rollers", "garden hoses")
+        for topic in topics:  # ~10 pages each: the two 24-page pools cannot hold them all
+            opened.append(api.responses.create(
+                input=f"{SYSTEM} Describe {topic} for a beginner in two sentences: what they "
+                "are for, which kinds there are, how to pick one, what they cost, how long "
+                f"they last and what to avoid. Customer note {uuid.uuid4().hex}: the customer "
+                f"is new to home repair and asks about {topic} at the front desk today.",
+                max_output_tokens=8, temperature=0, extra_body={"cache_salt": tenant},
+            ))
+        time.sleep(1.0)  # the replicas' KV events (and tier changes) reach the router
+        stats = replicas(server.url)
+        assert len(stats) == 2
+        budgets = [s["tiers"]["disk_budget_bytes"] for s in stats.values()]
+        assert budgets == [32 << 20] * 2, budgets  # 64M shared, not 64M each
+        assert sum(s["tiers"]["written_disk"] for s in stats.values()) > 0, stats
+        hits = []
+        for first in opened:
+            follow = api.responses.create(
+                input="Which one first?", previous_response_id=first.id, max_output_tokens=2,
+                temperature=0, extra_body={"cache_salt": tenant},
+            )
+            held = (first.usage.input_tokens + first.usage.output_tokens - 1) // 16 * 16
+            hits.append((follow.usage.input_tokens_details.cached_tokens, held))
+        assert all(cached >= held for cached, held in hits), hits  # the whole first turn
+        stats = replicas(server.url)
+        assert sum(s["tiers"]["loaded_disk"] for s in stats.values()) > 0, stats
+        assert sorted(p.name for p in (tmp_path / "kv").iterdir() if p.is_dir()) == [
+            "replica-0", "replica-1",
+        ]
+    finally:
+        assert server.stop(timeout=90) == 0, server.output()[-3000:]

@@ -210,3 +210,13 @@ def test_a_disk_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     target.write_text("x")
     with pytest.raises(ValueError, match="kv_disk_dir"):
         Engine(kv_disk_dir=target)
+
+
+def test_empty_tiers_report_their_budgets(make_engine, tmp_path: Path) -> None:
+    """An empty store's budget is still its budget (a store with no pages is falsy: the
+    stats read 0 for both budgets until the first page was written)."""
+    eng = make_engine(num_pages=POOL_PAGES, kv_host_bytes=8 << 20, kv_disk_dir=tmp_path,
+                      kv_disk_bytes=16 << 20)
+    tiers = eng.stats().tiers
+    assert (tiers.host_pages, tiers.disk_pages) == (0, 0)
+    assert (tiers.host_budget_bytes, tiers.disk_budget_bytes) == (8 << 20, 16 << 20)

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 from pathlib import Path
 
-# The engine's default disk budget (engine/serving/kv_tiers.py), shared among the replicas.
-DISK_FREE_FRACTION = 0.5
-DISK_CAP_BYTES = 16 << 30
+from engine import EngineConfig
 
 
 class DiskSlot:
@@ -54,8 +51,6 @@ def claim(root: Path, replicas: int) -> DiskSlot:
 def share(root: Path, replicas: int, kv_disk_bytes: int | None) -> int:
     """One replica's disk budget: its share of ``kv_disk_bytes``, or of the engine's default
     for ``root``'s free space."""
-    if kv_disk_bytes is None:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        free = shutil.disk_usage(root).free
-        kv_disk_bytes = min(DISK_CAP_BYTES, int(free * DISK_FREE_FRACTION))
-    return max(kv_disk_bytes // replicas, 1)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    budget = EngineConfig(kv_disk_dir=str(root), kv_disk_bytes=kv_disk_bytes).disk_budget(root)
+    return max(budget // replicas, 1)

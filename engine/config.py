@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,12 @@ from scheduler import POLICIES, SPECULATION, SchedulerConfig
 
 BACKENDS = ("torch", "flashinfer")  # attention backends by name ("auto" picks one)
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+# Without kv_disk_bytes the disk tier may take this much of its folder's free space at start,
+# at most DISK_CAP_BYTES (all replicas of a cluster together: cluster/disk_slots.py).
+DISK_FREE_FRACTION = 0.5
+DISK_CAP_BYTES = 16 << 30
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,6 +122,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def prefix_cache(self) -> bool:
         return self.scheduler.prefix_cache
+
+    def disk_budget(self, directory: Path) -> int:
+        """The disk tier's budget in ``directory``: ``kv_disk_bytes``, or the default (a share
+        of its free space now, at most ``DISK_CAP_BYTES``)."""
+        if self.kv_disk_bytes is not None:
+            return self.kv_disk_bytes
+        free = shutil.disk_usage(directory).free
+        return min(DISK_CAP_BYTES, int(free * DISK_FREE_FRACTION))
 
     @property
     def tiered(self) -> bool:

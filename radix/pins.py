@@ -39,6 +39,11 @@ class PinTable:
     pins: dict[int, Pin] = field(default_factory=dict)
     released: int = 0  # pins ended by expiry or the budget (only grows)
     _ids: itertools.count = field(default_factory=itertools.count)
+    # Read every step (stats, the loop's expiry check), changed only by adding and releasing
+    # a pin (a pinned path never changes: its nodes are locked): computed once per change.
+    _pinned: int | None = None
+    _next: float | None = None
+    _known: bool = False  # whether _pinned and _next are up to date
 
     def add(self, node: Node, namespace: str | None, length: int, expires: float) -> Pin:
         """Pin ``node`` (locked here), then release the oldest pins while over the budget
@@ -46,6 +51,7 @@ class PinTable:
         self.tree.lock(node)
         pin = Pin(next(self._ids), namespace, node, length, expires)
         self.pins[pin.id] = pin
+        self._known = False
         while self.pins and self.pinned_pages() > self.max_pages:
             self._release(next(iter(self.pins.values())))
             self.released += 1
@@ -75,10 +81,22 @@ class PinTable:
 
     def next_expiry(self) -> float | None:
         """When the first live pin ends (None: no pins)."""
-        return min((pin.expires for pin in self.pins.values()), default=None)
+        self._refresh()
+        return self._next
 
     def pinned_pages(self) -> int:
         """Pages on the union of the pinned paths."""
+        self._refresh()
+        assert self._pinned is not None
+        return self._pinned
+
+    def _refresh(self) -> None:
+        if not self._known:
+            self._pinned = self._count_pinned()
+            self._next = min((pin.expires for pin in self.pins.values()), default=None)
+            self._known = True
+
+    def _count_pinned(self) -> int:
         seen: set[int] = set()
         pages = 0
         for pin in self.pins.values():
@@ -93,3 +111,4 @@ class PinTable:
         pin.active = False
         del self.pins[pin.id]
         self.tree.unlock(pin.node)
+        self._known = False

@@ -22,10 +22,12 @@ class PrefixPin:
     cached pages again, evicted in LRU order (and written down to the KV tiers, where there
     are tiers)."""
 
-    def __init__(self, tokens: int, expires: float, release: Callable[[], None]) -> None:
+    def __init__(
+        self, tokens: int, expires: float, release: Callable[[], None] | None
+    ) -> None:
         self.tokens = tokens
         self.expires = expires
-        self._release: Callable[[], None] | None = release if tokens else None
+        self._release = release
         self._lock = threading.Lock()
 
     @property

@@ -232,7 +232,7 @@ class Engine:
         self._loop.pin(order)
         pin = order.answer.result(timeout)
         if pin is None or not pin.active:  # nothing cached, or alone over the budget
-            return PrefixPin(0, 0.0, lambda: None)
+            return PrefixPin(0, 0.0, None)
         return PrefixPin(pin.length, pin.expires, lambda: self._loop.unpin(pin))
 
     def generate(

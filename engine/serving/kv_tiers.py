@@ -10,7 +10,6 @@ an engine only ever reads KV that it would itself have computed bit for bit.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +22,18 @@ from engine.model.loader import LoadedModel
 from radix.tiers import DiskStore, HostStore, KVTiers
 from radix.tiers.disk import ensure_directory
 
-# Without kv_disk_bytes: this much of the directory's free space at start, at most DISK_CAP.
-DISK_FREE_FRACTION = 0.5
-DISK_CAP_BYTES = 16 << 30
 STORE_FORMAT = 1
 
 
 def build_tiers(loaded: LoadedModel, pool: KVPool, config: EngineConfig) -> KVTiers | None:
     """The tiers the config asks for, or None (an evicted page is then recomputed)."""
     kv_host_bytes, kv_disk_dir = config.kv_host_bytes, config.kv_disk_dir
-    kv_disk_bytes = config.kv_disk_bytes
     host = HostStore(kv_host_bytes) if kv_host_bytes else None
     disk = None
     if kv_disk_dir is not None:
         directory = Path(kv_disk_dir).expanduser()
         ensure_directory(directory)  # its free space sizes the default budget
-        if kv_disk_bytes is None:
-            free = shutil.disk_usage(directory).free
-            kv_disk_bytes = min(DISK_CAP_BYTES, int(free * DISK_FREE_FRACTION))
+        kv_disk_bytes = config.disk_budget(directory)
         meta = store_meta(loaded, pool)
         key = xxhash.xxh64(json.dumps(meta, sort_keys=True).encode()).hexdigest()
         disk = DiskStore(directory, kv_disk_bytes, key)

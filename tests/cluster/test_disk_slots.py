@@ -62,4 +62,4 @@ def test_the_disk_budget_is_shared_among_the_replicas(tmp_path: Path) -> None:
     assert disk_slots.share(tmp_path, 4, 8 << 30) == 2 << 30
     default = disk_slots.share(tmp_path, 1, None)  # the free space moves a little meanwhile
     assert abs(disk_slots.share(tmp_path, 2, None) - default // 2) < 64 << 20
-    assert default <= disk_slots.DISK_CAP_BYTES
+    assert default <= 16 << 30  # the engine's cap (EngineConfig.disk_budget)

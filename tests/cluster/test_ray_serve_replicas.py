@@ -226,6 +226,14 @@ def test_the_inspector_shows_one_column_per_replica_and_where_requests_went(
     assert {r["replica"] for r in body["routes"]} <= names
     mine = [r for r in body["routes"] if r["label"] and "careful assistant" in r["label"]]
     assert len(mine) >= 3, body["routes"]
+    # The totals come from the replicas' snapshots, /v1/replicas from their stats (published
+    # every 0.5 s, later under load): compare once both have caught up with the same requests.
+    deadline = time.monotonic() + 20
+    while body["totals"]["requests"] != sum(
+        s["counters"]["requests"] for s in replicas(cluster_url).values()
+    ) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        body = httpx.get(cluster_url + "/inspect/state", timeout=30).json()
     assert body["totals"]["requests"] == sum(
         s["counters"]["requests"] for s in replicas(cluster_url).values())
     assert all(r["label"] is None for r in body["routes"] if r["namespace"] != "default")

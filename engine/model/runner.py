@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,8 @@ from engine.model.loader import LoadedModel
 from engine.model.sampler import Sampler, sampled_with_logprobs, token_logprobs
 from engine.model.structured import Grammars
 from scheduler.batch import Batch, BatchEntry, slots_for
+
+log = logging.getLogger("radixkv.engine")
 
 # Prompt rows scored at once: bounds the log-softmax's memory (rows x vocabulary floats).
 _SCORE_ROWS = 256
@@ -102,13 +106,38 @@ class ModelRunner:
         self.buffers = StepBuffers(loaded.device) if loaded.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
-            self.graphs = self._decode_graphs(max_batch)
+            self.graphs = self._decode_graphs_or_eager(max_batch)
         self.sampler = Sampler(seed)
         # Structured outputs: masks each constrained row before sampling (None: not built).
         self.grammars = grammars
         if debug_checks is None:
             debug_checks = os.environ.get("RADIXKV_DEBUG_CHECKS", "0") not in ("", "0")
         self.debug_checks = debug_checks
+
+    def _decode_graphs_or_eager(self, max_batch: int) -> DecodeGraphs | None:
+        """The decode graphs, or None (decode runs eagerly) when building or capturing them
+        fails on this device: a slower engine that says why, not one that cannot start.
+        A misconfiguration (``ValueError``) is still the caller's error."""
+        try:
+            return self._decode_graphs(max_batch)
+        except ValueError:
+            raise
+        except Exception as error:  # a CUDA, cuBLAS or FlashInfer error while capturing
+            if self.loaded.device.type == "cuda":
+                torch.cuda.empty_cache()
+            message = (
+                f"cuda_graphs: capturing the decode graphs failed on {self.loaded.device} "
+                f"({type(error).__name__}: {error}); decode steps run eagerly"
+            )
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            return None
+
+    def drop_graphs(self) -> None:
+        """Decode steps run eagerly from now on (the graphs' memory is released)."""
+        self.graphs = None
+        if self.loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _decode_graphs(self, max_batch: int) -> DecodeGraphs:
         """Decode graphs over FlashInfer wrappers twinned from the runner's backend (on the

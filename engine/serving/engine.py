@@ -101,6 +101,7 @@ class Engine:
             loaded, config.batch_invariant, runner
         )
         self._attention_kernel = runner.backend.kernel_name
+        self._cuda_graphs = runner.graphs is not None
         log.info(
             "engine on %s (%s): attention %s, cuda graphs %s, batch_invariant=%s",
             loaded.device, str(loaded.dtype).removeprefix("torch."), self._attention_kernel,
@@ -185,6 +186,12 @@ class Engine:
     @property
     def dtype(self) -> torch.dtype:
         return self._dtype
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (asked for, captured, and as exact as the
+        eager passes by the start-up check)."""
+        return self._cuda_graphs
 
     @property
     def attention_kernel(self) -> str:

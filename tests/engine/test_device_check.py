@@ -103,7 +103,57 @@ def test_an_engine_on_flashinfers_path_reports_the_invariance_its_check_found(
     with caplog.at_level(logging.INFO, logger="radixkv.engine"):
         eng = make_engine(page_size=16, num_pages=120, backend="flashinfer")
     assert eng.batch_invariant and eng.stats().batch_invariant
+    assert not eng.cuda_graphs  # graphs are captured on CUDA only
     assert "batch_invariant: verified" in caplog.text
     assert "batch_invariant=True" in caplog.text
     off = make_engine(page_size=16, num_pages=120, backend="flashinfer", batch_invariant=False)
     assert not off.batch_invariant and not off.stats().batch_invariant
+
+
+class _GraphRowsDiffer:
+    """Wraps a decode graphs' forward: its rows come out nudged, as a graph whose padding
+    changed the kernel's tiling would."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+
+    def __call__(self, fb: Any, attention: Any) -> torch.Tensor:
+        return self.forward(fb, attention) * (1.0 + 1e-4)
+
+
+def test_graphs_that_differ_from_eager_passes_are_dropped_and_the_runner_stays_exact(
+    loaded_fp32: Any,
+) -> None:
+    runner = _runner(loaded_fp32)
+    assert runner.graphs is not None
+    runner.graphs.forward = _GraphRowsDiffer(runner.graphs.forward)
+    with pytest.warns(RuntimeWarning, match="decode graphs .* differ from eager passes"):
+        assert verify_on_device(runner)
+    assert runner.graphs is None  # decode runs eagerly from now on
+    report = check_runner(runner)
+    assert report is not None and report.invariant
+
+
+def test_a_forward_not_invariant_without_graphs_either_keeps_its_graphs_and_fails(
+    loaded_fp32: Any,
+) -> None:
+    runner = _runner(loaded_fp32)
+    runner.backend = _BatchDependent(runner.backend)  # type: ignore[assignment]
+    with pytest.warns(RuntimeWarning, match="batch_invariant=False"):
+        assert not verify_on_device(runner)
+    assert runner.graphs is not None  # no exactness to buy by giving up their speed
+
+
+def test_a_capture_that_fails_leaves_a_runner_that_decodes_eagerly(
+    loaded_fp32: Any, monkeypatch: Any
+) -> None:
+    import engine.model.runner as runner_module
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner_module, "DecodeGraphs", failing)
+    with pytest.warns(RuntimeWarning, match="capturing the decode graphs failed.*eagerly"):
+        runner = _runner(loaded_fp32)
+    assert runner.graphs is None
+    assert verify_on_device(runner)

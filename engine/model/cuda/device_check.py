@@ -8,7 +8,9 @@ the engine checks the runner it will serve with, with its graphs and plans, befo
 one prompt whole, in chunks ending in one-token steps, inside batches beside other requests'
 prefills and decodes, and decoded alone and in padded decode batches. Its last token's
 logits must be equal bit for bit in every case. A failure warns, is logged and leaves the
-engine reporting ``batch_invariant=False`` (speculation and shared rows then stay off).
+engine reporting ``batch_invariant=False`` (speculation and shared rows then stay off),
+unless only the graphs' padded decode rows differ: then the graphs are dropped, decode runs
+eagerly and the engine stays exact (exactness before speed, with a warning saying so).
 """
 
 from __future__ import annotations
@@ -66,6 +68,22 @@ def verify_on_device(runner: ModelRunner) -> bool:
         return False
     report = check_runner(runner)
     device = runner.loaded.device
+    if report is not None and not report.invariant and runner.graphs is not None:
+        # Exact first: if only the padded graph rows differ, serve eagerly and exactly.
+        graphs, runner.graphs = runner.graphs, None
+        eager = check_runner(runner)
+        if eager is not None and eager.invariant:
+            runner.drop_graphs()
+            del graphs
+            message = (
+                f"cuda_graphs: decode graphs on {device} differ from eager passes "
+                f"({', '.join(report.failed)}); they are off, decode steps run eagerly "
+                "and batch_invariant holds"
+            )
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return True
+        runner.graphs = graphs
     if report is None:
         why = "the KV pool is too small to run the check"
     elif not report.invariant:

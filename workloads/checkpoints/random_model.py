@@ -43,6 +43,15 @@ SHAPES: dict[str, dict[str, int]] = {
         "num_key_value_heads": 8,
         "head_dim": 64,
     },
+    # Seconds on a CPU: runs the GPU bench's code in CI (``model_bench.gpu --smoke``).
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+    },
 }
 
 

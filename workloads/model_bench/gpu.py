@@ -1,19 +1,28 @@
 """The GPU measurements of the FlashInfer path, printed as Markdown tables for the record.
 
-``python -m workloads.model_bench.gpu --model DIR [--exactness-model DIR]`` on a CUDA machine:
+``python -m workloads.model_bench.gpu --model DIR [--exactness-model DIR]`` on a CUDA machine,
+sections in this order (most wanted first: a call cut by its time limit keeps what ran; a
+section that fails prints why and the rest still run):
 
-- **decode attention** (one layer, FlashInfer's decode kernel) against its floor: the KV bytes
-  it must read at the measured HBM bandwidth (a device-to-device copy's);
+- **exactness**: greedy answers with the cache on vs off, alone vs batched, prefill chunked vs
+  whole, and whether a prompt's logits are bit-identical alone and inside a batch, with the
+  engine's defaults (deterministic plan, checked at start; decode graphs) and with
+  ``batch_invariant=False`` (the fastest plan);
 - **decode steps and prefill** of the whole model (``--model``) against their floors (weights
-  and KV read once per step; prefill FLOPs at the measured bf16 matrix-product peak);
-- **shared-prefix workload**, cache on vs off (8 groups x 8 requests on 1,000-token prefixes);
-- **where a decode step goes** (last): wall time against the GPU's busy time, kernel launches
-  and copies, eager and in graphs, from one profiled step;
-- **exactness**: greedy answers with the cache on vs off and alone vs batched, and whether a
-  prompt's logits are bit-identical alone and inside a batch, with FlashInfer's default
-  settings and its deterministic ones (``batch_invariant=True``: fixed split size, no cascade).
+  and KV read once per step; prefill FLOPs at the measured bf16 matrix-product peak), eager
+  and in graphs, default and deterministic plans, and on one shared prefix (the cascade: off,
+  by its rule, forced);
+- **shared-prefix workload**, cache on vs off (8 groups x 8 requests on 1,000- and
+  4,000-token prefixes);
+- **where a decode step goes**: wall time against the GPU's busy time, kernel launches and
+  copies, eager and in graphs, from one profiled step;
+- **decode attention** (one layer, FlashInfer's decode kernel) against its floor: the KV bytes
+  it must read at the measured HBM bandwidth (a device-to-device copy's).
 
 Speed is reported, never asserted; timings are CUDA-event medians after warm-up.
+``--smoke`` runs every section's code at tiny sizes on whatever device the model is on (the
+CPU: FlashInfer's torch reference), which is how CI keeps this file from breaking where only a
+scarce GPU call would find out.
 """
 
 from __future__ import annotations
@@ -21,27 +30,71 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import msgspec
 import torch
 
 from engine import KVPool, load_model
-from engine.model.cuda.flashinfer_backend import FlashInferBackend, flashinfer_ops
+from engine.model.cuda.flashinfer_backend import FlashInferBackend, flashinfer_ops, reference_ops
 from engine.model.forward_batch import ForwardBatch
 from engine.model.runner import ModelRunner
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request
 
+Shape = tuple[int, int]  # (batch, context) or (requests, tokens)
 
-def cuda_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` by CUDA events."""
-    for _ in range(warmup):
+
+class Sizes(msgspec.Struct, frozen=True):
+    """What each section measures. The defaults are the record's (a GPU); ``SMOKE`` runs the
+    same code in seconds on a CPU."""
+
+    repeats: int = 10
+    warmup: int = 3
+    copy_bytes: int = 2 << 30
+    matmul_n: int = 8192
+    attention_heads: tuple[tuple[int, int, int], ...] = ((9, 3, 64), (32, 8, 64))
+    attention_shapes: tuple[Shape, ...] = ((1, 2048), (8, 2048), (32, 2048), (128, 2048),
+                                           (32, 8192))
+    decode_shapes: tuple[Shape, ...] = ((1, 512), (8, 512), (32, 512), (64, 2048))
+    cascade_shapes: tuple[Shape, ...] = ((8, 1024), (32, 1024), (64, 4096))
+    prefills: tuple[int, ...] = (512, 2048, 8192)
+    profile_shapes: tuple[Shape, ...] = ((8, 512), (64, 2048))
+    prefixes: tuple[int, ...] = (1000, 4000)
+    groups: int = 8  # shared-prefix workload: groups x groups requests
+    question_tokens: int = 60
+    new_tokens: int = 32
+    exact_shared: int = 400  # exactness: prompts on one shared prefix, then prompts of their own
+    exact_on_shared: int = 12
+    exact_own: int = 4
+    exact_chunk: int = 128
+
+
+SMOKE = Sizes(
+    repeats=1, warmup=1, copy_bytes=1 << 20, matmul_n=64, attention_heads=((4, 2, 32),),
+    attention_shapes=((2, 40),), decode_shapes=((1, 20), (3, 40)), cascade_shapes=((4, 64),),
+    prefills=(48,), profile_shapes=((3, 40),), prefixes=(48,), groups=2, question_tokens=6,
+    new_tokens=3, exact_shared=40, exact_on_shared=3, exact_own=2, exact_chunk=16,
+)
+
+
+def device_time(fn: Callable[[], object], sizes: Sizes, device: torch.device) -> float:
+    """Median seconds of ``fn``: by CUDA events on a GPU, the wall clock elsewhere."""
+    for _ in range(sizes.warmup):
         fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(sizes.repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     times = []
-    for _ in range(repeats):
+    for _ in range(sizes.repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -51,16 +104,17 @@ def cuda_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 3) -> f
     return statistics.median(times)
 
 
-def hbm_bandwidth() -> float:
-    """Bytes/s moved (read + write) by a 4 GiB device-to-device copy."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+def hbm_bandwidth(sizes: Sizes, device: torch.device) -> float:
+    """Bytes/s moved (read + write) by a device-to-device copy (4 GiB in all on a GPU)."""
+    src = torch.empty(sizes.copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / cuda_time(lambda: dst.copy_(src))
+    return 2 * src.numel() / device_time(lambda: dst.copy_(src), sizes, device)
 
 
-def matmul_peak() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / cuda_time(lambda: a @ a)
+def matmul_peak(sizes: Sizes, device: torch.device) -> float:
+    n = sizes.matmul_n
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / device_time(lambda: a @ a, sizes, device)
 
 
 def table(header: list[str], rows: list[list[object]]) -> str:
@@ -88,23 +142,22 @@ def random_ids(seed: int, vocab: int) -> Callable[[int], list[int]]:
     return lambda n: torch.randint(100, vocab, (n,), generator=gen).tolist()
 
 
-def attention_rows(bandwidth: float) -> list[list[object]]:
+def attention_rows(bandwidth: float, sizes: Sizes, device: torch.device) -> list[list[object]]:
     """One layer of decode attention (SmolLM2's heads and a 1B Llama's) against KV bytes / BW."""
     rows: list[list[object]] = []
     ps = 16
-    for hq, hkv, d in ((9, 3, 64), (32, 8, 64)):
-        for b, ctx in ((1, 2048), (8, 2048), (32, 2048), (128, 2048), (32, 8192)):
+    ops = flashinfer_ops() if device.type == "cuda" else reference_ops()
+    for hq, hkv, d in sizes.attention_heads:
+        for b, ctx in sizes.attention_shapes:
             pages = b * -(-ctx // ps) + 1
-            pool = KVPool(1, pages, ps, hkv, d, torch.bfloat16, "cuda")
+            pool = KVPool(1, pages, ps, hkv, d, torch.bfloat16, device)
             batch = decode_batch([ctx] * b, ps)
-            fb = ForwardBatch.from_batch(batch, "cuda")
-            backend = FlashInferBackend(
-                hq, hkv, d, torch.device("cuda"), flashinfer_ops(), torch.bfloat16
-            )
+            fb = ForwardBatch.from_batch(batch, device)
+            backend = FlashInferBackend(hq, hkv, d, device, ops, torch.bfloat16)
             backend.plan(fb)
-            q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(b, hkv, d, device="cuda", dtype=torch.bfloat16)
-            seconds = cuda_time(partial(backend.run, 0, q, k, k, pool))
+            q = torch.randn(b, hq, d, device=device, dtype=torch.bfloat16)
+            k = torch.randn(b, hkv, d, device=device, dtype=torch.bfloat16)
+            seconds = device_time(partial(backend.run, 0, q, k, k, pool), sizes, device)
             kv_bytes = 2 * b * ctx * hkv * d * 2
             floor = kv_bytes / bandwidth
             rows.append(
@@ -149,12 +202,12 @@ DECODE_MODES = (
 def decode_runner(loaded: Any, pages: int, invariant: bool, graphs: bool, max_batch: int) -> Any:
     cfg = loaded.config
     pool = KVPool(cfg.num_layers, pages, 16, cfg.num_kv_heads, cfg.head_dim, loaded.dtype,
-                  "cuda", scratch_pages=1)
+                  loaded.device, scratch_pages=1)
     return ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=invariant,
                        cuda_graphs=graphs, max_batch=max_batch)
 
 
-def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]:
+def model_rows(loaded: Any, bandwidth: float, peak: float, sizes: Sizes) -> list[list[object]]:
     """Decode steps (forward and sampling) eager and in graphs, own pages and all on one
     shared prefix (the cascade's case: off, by the rule, forced), and prefill."""
     cfg = loaded.config
@@ -163,19 +216,27 @@ def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]
     kv_token = KVPool.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
                                      loaded.dtype)
     rows: list[list[object]] = []
-    shapes = ((1, 512), (8, 512), (32, 512), (64, 2048))
+    time_of = partial(device_time, sizes=sizes, device=loaded.device)
     for name, invariant, graphs in DECODE_MODES:
-        for b, ctx in shapes:
-            pages = b * -(-(ctx + 1) // ps) + 8
-            runner = decode_runner(loaded, pages, invariant, graphs, max(b, 8))
-            batch = decode_batch([ctx] * b, ps)
-            step = cuda_time(partial(runner.step, batch))
+        for b, ctx in sizes.decode_shapes:
+            label = f"decode, own pages, {name}"
+            try:
+                pages = b * -(-(ctx + 1) // ps) + 8
+                runner = decode_runner(loaded, pages, invariant, graphs, max(b, 8))
+                if graphs and runner.graphs is None:
+                    label += " (capture failed: ran eager)"
+                batch = decode_batch([ctx] * b, ps)
+                step = time_of(partial(runner.step, batch))
+            except Exception as exc:  # one failed mode must not cost the others their rows
+                rows.append([label, b, ctx, f"failed: {exc!r}"[:120], "", "", ""])
+                continue
+            finally:
+                runner = None
             floor = (weights + kv_token * b * ctx) / bandwidth
-            rows.append([f"decode, own pages, {name}", b, ctx, f"{step * 1e3:.2f}",
+            rows.append([label, b, ctx, f"{step * 1e3:.2f}",
                          f"{b / step:.0f}", f"{floor * 1e3:.3f}", f"{step / floor:.2f}x"])
-            del runner
     for cascade in ("off", "rule", "forced"):
-        for b, ctx in ((8, 1024), (32, 1024), (64, 4096)):
+        for b, ctx in sizes.cascade_shapes:
             pages = -(-(ctx + 1) // ps) + b + 8
             runner = decode_runner(loaded, pages, False, False, b)
             backend = runner.backend
@@ -184,7 +245,7 @@ def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]
             elif cascade == "forced":
                 backend._pays = None
             batch = shared_decode_batch(b, ctx, ps)
-            step = cuda_time(partial(runner.step, batch))
+            step = time_of(partial(runner.step, batch))
             plan = backend._plan
             used = "yes" if plan is not None and plan.shared is not None else "no"
             floor = (weights + kv_token * (ctx + b * ps)) / bandwidth
@@ -194,13 +255,15 @@ def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]
             del runner
     head = loaded.model.lm_head.weight_t
     params = (weights - head.numel() * head.element_size()) / head.element_size()
-    for n in (512, 2048, 8192):
+    for n in sizes.prefills:
         pool = KVPool(cfg.num_layers, -(-n // ps) + 8, ps, cfg.num_kv_heads, cfg.head_dim,
-                      loaded.dtype, "cuda")
+                      loaded.dtype, loaded.device)
         runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=True)
         req = Request(0, [7] * n, SamplingParams(max_new_tokens=1))
         batch = Batch([BatchEntry.on_pages(req, [7] * n, 0, list(range(-(-n // ps))), ps)], ps)
-        seconds = cuda_time(partial(runner.forward, batch), repeats=5)
+        seconds = device_time(partial(runner.forward, batch),
+                              msgspec.structs.replace(sizes, repeats=max(1, sizes.repeats // 2)),
+                              loaded.device)
         flops = 2 * params * n + 2 * head.numel() + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
         floor = flops / peak
         rows.append(["prefill, deterministic", 1, n, f"{seconds * 1e3:.2f}", f"{n / seconds:.0f}",
@@ -208,7 +271,7 @@ def model_rows(loaded: Any, bandwidth: float, peak: float) -> list[list[object]]
     return rows
 
 
-def profile_rows(loaded: Any) -> list[list[object]]:
+def profile_rows(loaded: Any, sizes: Sizes) -> list[list[object]]:
     """Where a decode step's time goes, eager and in graphs (deterministic plan): one step
     under torch's profiler gives the GPU's busy time, the kernels launched from the host
     (a graph replay counts as one launch) and the copies; the step's wall time is measured
@@ -218,16 +281,20 @@ def profile_rows(loaded: Any) -> list[list[object]]:
     launch_calls = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                     "cuLaunchKernelEx", "cudaGraphLaunch")
     rows: list[list[object]] = []
+    cuda = loaded.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for graphs in (False, True):
-        for b, ctx in ((8, 512), (64, 2048)):
+        for b, ctx in sizes.profile_shapes:
             pages = b * -(-(ctx + 1) // 16) + 8
             runner = decode_runner(loaded, pages, True, graphs, max(b, 8))
             batch = decode_batch([ctx] * b, 16)
-            wall = cuda_time(partial(runner.step, batch))
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                runner.step(batch)
+            wall = device_time(partial(runner.step, batch), sizes, loaded.device)
+            if cuda:
                 torch.cuda.synchronize()
+            with profile(activities=activities) as prof:
+                runner.step(batch)
+                if cuda:
+                    torch.cuda.synchronize()
             events = prof.key_averages()
             busy_us = sum(
                 getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
@@ -235,27 +302,30 @@ def profile_rows(loaded: Any) -> list[list[object]]:
             )
             launches = sum(e.count for e in events if e.key in launch_calls)
             copies = sum(e.count for e in events if "memcpy" in e.key.lower())
+            mode = "eager" if not graphs else "graphs" if runner.graphs else "graphs (failed: eager)"
             rows.append([
-                "graphs" if graphs else "eager", b, ctx, f"{wall * 1e3:.2f}",
-                f"{busy_us / 1e3:.2f}", f"{wall * 1e6 / max(busy_us, 1e-9):.1f}x", launches,
+                mode, b, ctx, f"{wall * 1e3:.2f}",
+                f"{busy_us / 1e3:.2f}", f"{wall * 1e6 / busy_us:.1f}x" if busy_us else "n/a", launches,
                 copies,
             ])
             del runner
     return rows
 
 
-def shared_prefix_rows(loaded: Any, prefix: int) -> list[list[object]]:
+def shared_prefix_rows(loaded: Any, prefix: int, sizes: Sizes) -> list[list[object]]:
     """8 groups x 8 requests, ``prefix`` tokens each, 60-token questions, 32 tokens out, with
     the engine's default settings on CUDA (deterministic plan, decode graphs)."""
     from engine import Engine
 
     ids = random_ids(0, loaded.config.vocab_size)
-
-    prompts = [p + ids(60) for p in (ids(prefix) for _ in range(8)) for _ in range(8)]
-    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    g = sizes.groups
+    prompts = [p + ids(sizes.question_tokens) for p in (ids(prefix) for _ in range(g))
+               for _ in range(g)]
+    params = SamplingParams(max_new_tokens=sizes.new_tokens, temperature=0.0, ignore_eos=True)
     rows: list[list[object]] = []
     results: dict[bool, list[tuple[float, float]]] = {}
-    pages = 64 * -(-(prefix + 100) // 16) + 64
+    extra = sizes.question_tokens + sizes.new_tokens + 16
+    pages = g * g * -(-(prefix + extra) // 16) + 64
     for cache in (False, True, False, True):
         with Engine(model=loaded, backend="flashinfer", prefix_cache=cache,
                     num_pages=pages) as engine:
@@ -267,7 +337,8 @@ def shared_prefix_rows(loaded: Any, prefix: int) -> list[list[object]]:
         results.setdefault(cache, []).append((seconds, hit))
     for cache, runs in results.items():
         s = statistics.median(r[0] for r in runs)
-        rows.append([prefix, "on" if cache else "off", f"{s:.2f}", f"{64 * 32 / s:.0f}",
+        rows.append([prefix, "on" if cache else "off", f"{s:.2f}",
+                     f"{len(prompts) * sizes.new_tokens / s:.0f}",
                      f"{runs[-1][1]:.1%}"])
     speedup = statistics.median(r[0] for r in results[False]) / statistics.median(
         r[0] for r in results[True])
@@ -275,7 +346,7 @@ def shared_prefix_rows(loaded: Any, prefix: int) -> list[list[object]]:
     return rows
 
 
-def exactness_rows(loaded: Any) -> list[list[object]]:
+def exactness_rows(loaded: Any, sizes: Sizes) -> list[list[object]]:
     """Greedy answers cache on vs off, alone vs batched, prefill chunked vs whole, with the
     engine's defaults (deterministic plan, decode graphs) and with the fastest settings;
     logits alone vs batched."""
@@ -283,9 +354,10 @@ def exactness_rows(loaded: Any) -> list[list[object]]:
 
     ids = random_ids(1, loaded.config.vocab_size)
 
-    shared = ids(400)
-    prompts = [shared + ids(10 + 7 * i) for i in range(12)] + [ids(50 + 30 * i) for i in range(4)]
-    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    shared = ids(sizes.exact_shared)
+    prompts = [shared + ids(10 + 7 * i) for i in range(sizes.exact_on_shared)]
+    prompts += [ids(50 + 30 * i) for i in range(sizes.exact_own)]
+    params = SamplingParams(max_new_tokens=sizes.new_tokens, temperature=0.0, ignore_eos=True)
     rows: list[list[object]] = []
     for label, knobs in (
         ("defaults", {}),
@@ -296,10 +368,12 @@ def exactness_rows(loaded: Any) -> list[list[object]]:
         for name, cache, together, chunk in (
             ("cache on, batched", True, True, None),
             ("cache off, batched", False, True, None),
-            ("cache off, batched, prefill chunks of 128", False, True, 128),
+            (f"cache off, batched, prefill chunks of {sizes.exact_chunk}", False, True,
+             sizes.exact_chunk),
             ("cache off, alone", False, False, None),
         ):
-            extra = {"max_batch_tokens": chunk} if chunk else {}
+            # every running request must decode in one step: at most ``chunk`` of them
+            extra = {"max_batch_tokens": chunk, "max_running": min(chunk, 64)} if chunk else {}
             with Engine(model=loaded, backend="flashinfer", prefix_cache=cache,
                         num_pages=8192, **knobs, **extra) as engine:
                 verified = engine.batch_invariant
@@ -316,7 +390,7 @@ def exactness_rows(loaded: Any) -> list[list[object]]:
             same = sum(a == b for a, b in zip(answers[name], base))
             rows.append([f"{label} (verified invariant: {verified})", f"{name} vs alone",
                          f"{same}/{len(prompts)}"])
-        rows.append([label, "logits alone vs in a batch of 16",
+        rows.append([label, f"logits alone vs in a batch of {len(prompts)}",
                      logits_identical(loaded, prompts, not knobs)])
     return rows
 
@@ -326,7 +400,8 @@ def logits_identical(loaded: Any, prompts: list[list[int]], invariant: bool) -> 
     cfg = loaded.config
     ps = 16
     need = sum(-(-len(p) // ps) for p in prompts) + 8
-    pool = KVPool(cfg.num_layers, need, ps, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, "cuda")
+    pool = KVPool(cfg.num_layers, need, ps, cfg.num_kv_heads, cfg.head_dim, loaded.dtype,
+                  loaded.device)
     runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=invariant)
     entries, page = [], 0
     for i, p in enumerate(prompts):
@@ -342,47 +417,73 @@ def logits_identical(loaded: Any, prompts: list[list[int]], invariant: bool) -> 
     return f"{same}/{len(prompts)} bit-identical"
 
 
+def section(title: str, header: list[str], rows: Callable[[], list[list[object]]]) -> None:
+    """Prints one section's table; a failure is printed in its place (with the last line of
+    its traceback) and the run goes on: one broken section must not cost the record the rest
+    of a scarce device call."""
+    print(f"### {title}\n", flush=True)
+    start = time.perf_counter()
+    try:
+        found = rows()
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        print(f"(failed after {time.perf_counter() - start:.0f} s: {exc!r} at "
+              f"{where.filename}:{where.lineno})\n", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return
+    print(table(header, found) + "\n", flush=True)
+    print(f"({time.perf_counter() - start:.0f} s)\n", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint for speed (default: bundled)")
     ap.add_argument("--exactness-model", default=None, help="checkpoint for exactness")
     ap.add_argument("--skip", nargs="*", default=[],
-                    help="attention model profile workload exactness")
+                    help="exactness model workload profile attention")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, on the CPU unless CUDA is here: checks the code, not speed")
     args = ap.parse_args(argv)
-    import flashinfer
+    sizes = SMOKE if args.smoke else Sizes()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        import flashinfer
 
-    props = torch.cuda.get_device_properties(0)
-    bandwidth, peak = hbm_bandwidth(), matmul_peak()
-    print(f"device: {props.name}, torch {torch.__version__}, flashinfer {flashinfer.__version__}; "
-          f"measured HBM {bandwidth / 1e12:.2f} TB/s (copy, read + write), "
+        name, kernels = torch.cuda.get_device_properties(0).name, f"flashinfer {flashinfer.__version__}"
+    else:
+        name, kernels = "CPU", "FlashInfer's torch reference"
+    bandwidth, peak = hbm_bandwidth(sizes, device), matmul_peak(sizes, device)
+    print(f"device: {name}, torch {torch.__version__}, {kernels}; "
+          f"measured memory {bandwidth / 1e12:.2f} TB/s (copy, read + write), "
           f"bf16 matmul {peak / 1e12:.0f} TFLOP/s\n")
-    if "attention" not in args.skip:
-        print("### Decode attention, one layer, page size 16\n")
-        print(table(["heads q/kv x dim", "batch", "context", "us", "floor us", "x floor"],
-                    attention_rows(bandwidth)) + "\n", flush=True)
-    speed = load_model(args.model, "cuda", "bfloat16")
-    if "model" not in args.skip:
-        print(f"### Whole model ({args.model or 'bundled'}), bf16, page 16\n")
-        print(table(["case", "batch", "context", "ms/step", "tok/s", "floor ms", "x floor"],
-                    model_rows(speed, bandwidth, peak)) + "\n", flush=True)
-    if "workload" not in args.skip:
-        print("### Shared-prefix workload (64 requests on 8 prefixes, 32 tokens out, defaults)\n")
-        found = [row for prefix in (1000, 4000) for row in shared_prefix_rows(speed, prefix)]
-        print(table(["prefix", "cache", "seconds", "output tok/s", "hit rate"], found) + "\n",
-              flush=True)
+    # Most wanted first: a call cut by its time limit keeps what ran (each table is flushed).
     if "exactness" not in args.skip:
-        exact_model = load_model(args.exactness_model, "cuda", "bfloat16")
-        print("### Exactness (greedy, 16 prompts, 32 tokens each)\n")
-        print(table(["settings", "compared", "same"], exactness_rows(exact_model)) + "\n")
+        exact_model = load_model(args.exactness_model, device, "bfloat16")
+        n = sizes.exact_on_shared + sizes.exact_own
+        section(f"Exactness (greedy, {n} prompts, {sizes.new_tokens} tokens each)",
+                ["settings", "compared", "same"],
+                partial(exactness_rows, exact_model, sizes))
+        del exact_model
+    speed = load_model(args.model, device, "bfloat16")
+    if "model" not in args.skip:
+        section(f"Whole model ({args.model or 'bundled'}), bf16, page 16",
+                ["case", "batch", "context", "ms/step", "tok/s", "floor ms", "x floor"],
+                partial(model_rows, speed, bandwidth, peak, sizes))
+    if "workload" not in args.skip:
+        for prefix in sizes.prefixes:
+            section(f"Shared-prefix workload ({prefix}-token prefixes: {sizes.groups ** 2} "
+                    f"requests on {sizes.groups} of them, {sizes.new_tokens} tokens out, defaults)",
+                    ["prefix", "cache", "seconds", "output tok/s", "hit rate"],
+                    partial(shared_prefix_rows, speed, prefix, sizes))
     if "profile" not in args.skip:
-        print("### Where a decode step goes (deterministic plan, torch profiler, one step)\n")
-        try:
-            found = profile_rows(speed)  # last: its cost may not cut the rest
-        except Exception as exc:  # a profiler failure must not cost the rest of the record
-            print(f"(profile failed: {exc!r})\n", flush=True)
-        else:
-            print(table(["mode", "batch", "context", "wall ms", "GPU busy ms", "wall / GPU",
-                         "launches", "copies"], found) + "\n", flush=True)
+        section("Where a decode step goes (deterministic plan, torch profiler, one step)",
+                ["mode", "batch", "context", "wall ms", "GPU busy ms", "wall / GPU", "launches",
+                 "copies"], partial(profile_rows, speed, sizes))
+    if "attention" not in args.skip:
+        section("Decode attention, one layer, page size 16",
+                ["heads q/kv x dim", "batch", "context", "us", "floor us", "x floor"],
+                partial(attention_rows, bandwidth, sizes, device))
 
 
 if __name__ == "__main__":

@@ -181,6 +181,11 @@ class FlashInferBackend(AttentionBackend):
         self._shared = ops.prefill_wrapper(workspace, None) if self.cascade else None
         self._plan: FlashInferPlan | None = None
         self._own: Any = None
+        # The last plan's completion on the stream: FlashInfer's ``plan`` writes each wrapper's
+        # schedule into one pinned host buffer and copies it to the device asynchronously, so
+        # the next ``plan`` must not rewrite that buffer before the copy has read it.
+        self._planned: torch.cuda.Event | None = None
+        self._graph_decode: bool | None = None  # graph mode: the wrapper planned (first pass)
 
     def graph_twin(self, batch: int, pages: int) -> FlashInferBackend:
         """This backend's settings in CUDA-graph mode for ``batch`` entries and up to
@@ -203,12 +208,19 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, forward_batch: ForwardBatch) -> None:
         p = plan_flashinfer(forward_batch, self.cascade, self.min_saved_tokens, self._pays)
+        if self._planned is not None:
+            self._planned.synchronize()  # at once, unless the device is a whole pass behind
         self._plan = p
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
         split = DETERMINISTIC_SPLIT if self.deterministic else {}
         own = p.own
-        if p.decode_shaped and self._decode is not None:
+        if self.graph_batch is None:
+            use_decode = p.decode_shaped and self._decode is not None
+        else:
+            use_decode = self._graph_uses_decode(forward_batch)
+        if use_decode:
+            assert self._decode is not None
             self._decode.plan(
                 own.plan_kv_indptr, own.kv_indices, own.plan_kv_last_page_len, hq, hkv, d,
                 p.page_size, **dtypes,
@@ -225,9 +237,26 @@ class FlashInferBackend(AttentionBackend):
             assert self._shared is not None
             s = p.shared.tables
             self._shared.plan(
-                s.qo_indptr, s.kv_indptr, s.kv_indices, s.kv_last_page_len,
+                s.plan_qo_indptr, s.plan_kv_indptr, s.kv_indices, s.plan_kv_last_page_len,
                 hq, hkv, d, p.page_size, causal=False, **dtypes,
             )
+        if self.workspace.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+
+    def _graph_uses_decode(self, forward_batch: ForwardBatch) -> bool:
+        """A graph replays the wrapper it captured, whatever a later pass's shape: its
+        all-padding capture pass (entries of one key) is not ``decode_shaped`` and a full
+        bucket of decodes is, so choosing by the pass would plan the other wrapper and leave
+        the captured one's buffers and schedule stale. The first pass (the capture's) decides:
+        the decode wrapper where there is one and every entry has one query."""
+        one_query = all(n == 1 for n in forward_batch.qo_lens)
+        if self._graph_decode is None:
+            self._graph_decode = self._decode is not None and one_query
+        elif self._graph_decode and not one_query:
+            raise ValueError("graph_batch: a pass with several queries per entry in a graph "
+                             "captured with FlashInfer's decode wrapper")
+        return self._graph_decode
 
     def run(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool

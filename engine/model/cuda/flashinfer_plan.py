@@ -141,7 +141,7 @@ def _shared_prefixes(
     )
     if not runs:
         return None
-    qo_indptr = fb.qo_indptr.tolist()
+    qo_indptr = host.qo_indptr.tolist()
     depth = [0] * fb.batch_size  # shared runs each request is in so far
     query_rows: list[int] = []
     s_qo = [0]
@@ -176,20 +176,43 @@ def _shared_prefixes(
         own_pages.extend(t[tail_start[r] :])
         own_kv.append(len(own_pages))
 
-    def i32(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=dev)
-
-    def i64(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=dev)
-
-    levels = [MergeLevel(i64(s), i64(q)) for _, (s, q) in sorted(by_level.items())]
+    # Every table to the device in one copy per dtype, with host copies for ``plan`` (which
+    # reads its indptrs on the host: device tensors there cost a synchronisation each).
+    (s_qo_t, s_kv_t, s_pages_t, s_last_t, own_kv_t, own_pages_t), i32_host = _tensors(
+        dev, torch.int32, [s_qo, s_kv, s_pages, [ps] * (len(s_kv) - 1), own_kv, own_pages]
+    )
+    row_lists = [query_rows] + [
+        rows for _, pair in sorted(by_level.items()) for rows in pair  # (shared, query) rows
+    ]
+    (query_rows_t, *level_rows), _ = _tensors(dev, torch.int64, row_lists)
+    levels = [MergeLevel(a, b) for a, b in zip(level_rows[::2], level_rows[1::2])]
+    h_qo, h_kv, h_pages, h_last, h_own_kv, h_own_pages = i32_host
     shared = SharedPrefixes(
-        i64(query_rows),
-        PagedTables(i32(s_qo), i32(s_kv), i32(s_pages), i32([ps] * (len(s_kv) - 1))),
+        query_rows_t,
+        PagedTables(s_qo_t, s_kv_t, s_pages_t, s_last_t, HostTables(h_qo, h_kv, h_last, h_pages)),
         levels,
         saved,
     )
     # A request's own part keeps its last page (its new tokens are there), so its last page's
     # length is unchanged.
-    own = PagedTables(fb.qo_indptr, i32(own_kv), i32(own_pages), fb.kv_last_page_len)
+    own_host = None
+    if fb.host is not None:
+        own_host = HostTables(fb.host.qo_indptr, h_own_kv, fb.host.kv_last_page_len, h_own_pages)
+    own = PagedTables(fb.qo_indptr, own_kv_t, own_pages_t, fb.kv_last_page_len, own_host)
     return shared, own
+
+
+def _tensors(
+    dev: torch.device, dtype: torch.dtype, groups: list[list[int]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``groups`` as tensors of ``dtype`` on ``dev`` made by one copy (from pinned memory on
+    CUDA: asynchronous, where ``torch.tensor(..., device=cuda)`` waits for the stream), and
+    the same tensors on the host."""
+    sizes = [len(g) for g in groups]
+    host = torch.tensor([v for g in groups for v in g], dtype=dtype)
+    if dev.type == "cuda":
+        host = host.pin_memory()
+        moved = host.to(dev, non_blocking=True)
+    else:
+        moved = host
+    return list(moved.split(sizes)), list(host.split(sizes))

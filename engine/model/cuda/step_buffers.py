@@ -10,6 +10,11 @@ Two layouts: *compact* (each field right after the last one, sized to this pass;
 grow when a pass needs more) for eager passes, and *fixed* (each field at an offset sized for
 ``capacity``) for the decode graphs, whose captured kernels read the same addresses at every
 replay. Either way the page list comes last, so the copy stops where its used part ends.
+
+The host side is two buffers used in turn: FlashInfer's ``plan`` copies the host views of a
+pass's tables to the device asynchronously after that pass's own copy, so the buffer a pass
+was packed in is rewritten only two passes later, once the copy of the pass in between has
+completed (everything of the earlier pass was queued before it on the stream).
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ class StepBuffers:
         self.device = torch.device(device)
         self.capacity = dict(capacity) if capacity is not None else None
         self.copies = 0
-        self._host = torch.empty(0, dtype=torch.uint8)
+        self._hosts = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+        self._turn = 0  # the host buffer of the last pack
         self._device = torch.empty(0, dtype=torch.uint8, device=self.device)
-        # The last copy's completion: the host buffer is not rewritten while a copy reads it.
+        # The last copy's completion: once it is done, every read of the other host buffer
+        # (queued before it) is done, and that buffer may be rewritten.
         self._copied: torch.cuda.Event | None = None
         if self.capacity is not None:
             missing = [name for name, _ in INDEX_FIELDS if name not in self.capacity]
@@ -62,12 +69,13 @@ class StepBuffers:
         return offsets
 
     def _grow(self, nbytes: int) -> None:
-        if nbytes <= self._host.numel():
+        if nbytes <= self._device.numel():
             return
-        nbytes = max(nbytes, 2 * self._host.numel())
+        nbytes = max(nbytes, 2 * self._device.numel())
         # Pinned memory makes the copy asynchronous and one DMA; it only exists with CUDA.
+        # (torch's pinned allocator keeps a replaced buffer until its pending copies are done.)
         pin = self.device.type == "cuda"
-        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def pack(
@@ -87,7 +95,9 @@ class StepBuffers:
         else:
             offsets = self._offsets(sizes)
             self._grow(offsets[-1])
-        host_bytes = self._host.numpy()
+        self._turn = 1 - self._turn
+        host = self._hosts[self._turn]
+        host_bytes = host.numpy()
         on_device: dict[str, torch.Tensor] = {}
         on_host: dict[str, torch.Tensor] = {}
         end = 0
@@ -97,12 +107,12 @@ class StepBuffers:
             stop = start + n * width
             np_dtype = np.int64 if dtype == torch.int64 else np.int32
             host_bytes[start:stop].view(np_dtype)[:] = values[name]
-            on_host[name] = self._host[start:stop].view(dtype)
+            on_host[name] = host[start:stop].view(dtype)
             on_device[name] = self._device[start:stop].view(dtype)
             end = max(end, stop)
         if end:
             cuda = self.device.type == "cuda"
-            self._device[:end].copy_(self._host[:end], non_blocking=cuda)
+            self._device[:end].copy_(host[:end], non_blocking=cuda)
             if cuda:
                 self._copied = torch.cuda.Event()
                 self._copied.record()

@@ -237,33 +237,47 @@ def model_rows(loaded: Any, bandwidth: float, peak: float, sizes: Sizes) -> list
                          f"{b / step:.0f}", f"{floor * 1e3:.3f}", f"{step / floor:.2f}x"])
     for cascade in ("off", "rule", "forced"):
         for b, ctx in sizes.cascade_shapes:
-            pages = -(-(ctx + 1) // ps) + b + 8
-            runner = decode_runner(loaded, pages, False, False, b)
-            backend = runner.backend
-            if cascade == "off":
-                backend.cascade = False
-            elif cascade == "forced":
-                backend._pays = None
-            batch = shared_decode_batch(b, ctx, ps)
-            step = time_of(partial(runner.step, batch))
-            plan = backend._plan
+            label = f"decode, one shared prefix, eager, cascade {cascade}"
+            try:
+                pages = -(-(ctx + 1) // ps) + b + 8
+                runner = decode_runner(loaded, pages, False, False, b)
+                backend = runner.backend
+                if cascade == "off":
+                    backend.cascade = False
+                elif cascade == "forced":
+                    backend._pays = None
+                batch = shared_decode_batch(b, ctx, ps)
+                step = time_of(partial(runner.step, batch))
+                plan = backend._plan
+            except Exception as exc:  # as above: the other rows (and the table) still count
+                rows.append([label, b, ctx, f"failed: {exc!r}"[:120], "", "", ""])
+                continue
+            finally:
+                runner = backend = None
             used = "yes" if plan is not None and plan.shared is not None else "no"
             floor = (weights + kv_token * (ctx + b * ps)) / bandwidth
-            rows.append([f"decode, one shared prefix, eager, cascade {cascade} ({used})", b, ctx,
+            rows.append([f"{label} ({used})", b, ctx,
                          f"{step * 1e3:.2f}", f"{b / step:.0f}", f"{floor * 1e3:.3f}",
                          f"{step / floor:.2f}x"])
-            del runner
     head = loaded.model.lm_head.weight_t
     params = (weights - head.numel() * head.element_size()) / head.element_size()
     for n in sizes.prefills:
-        pool = KVPool(cfg.num_layers, -(-n // ps) + 8, ps, cfg.num_kv_heads, cfg.head_dim,
-                      loaded.dtype, loaded.device)
-        runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=True)
-        req = Request(0, [7] * n, SamplingParams(max_new_tokens=1))
-        batch = Batch([BatchEntry.on_pages(req, [7] * n, 0, list(range(-(-n // ps))), ps)], ps)
-        seconds = device_time(partial(runner.forward, batch),
-                              msgspec.structs.replace(sizes, repeats=max(1, sizes.repeats // 2)),
-                              loaded.device)
+        try:
+            pool = KVPool(cfg.num_layers, -(-n // ps) + 8, ps, cfg.num_kv_heads, cfg.head_dim,
+                          loaded.dtype, loaded.device)
+            runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=True)
+            req = Request(0, [7] * n, SamplingParams(max_new_tokens=1))
+            pages = list(range(-(-n // ps)))
+            batch = Batch([BatchEntry.on_pages(req, [7] * n, 0, pages, ps)], ps)
+            seconds = device_time(
+                partial(runner.forward, batch),
+                msgspec.structs.replace(sizes, repeats=max(1, sizes.repeats // 2)), loaded.device,
+            )
+        except Exception as exc:  # as above
+            rows.append(["prefill, deterministic", 1, n, f"failed: {exc!r}"[:120], "", "", ""])
+            continue
+        finally:
+            runner = pool = None
         flops = 2 * params * n + 2 * head.numel() + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
         floor = flops / peak
         rows.append(["prefill, deterministic", 1, n, f"{seconds * 1e3:.2f}", f"{n / seconds:.0f}",

@@ -91,7 +91,17 @@ def build_runner(
         grammars=grammars,
         cuda_graphs=uses_graphs(loaded, config),
         max_batch=config.scheduler.max_running,
+        max_verify_rows=verify_rows(config),
     )
+
+
+def verify_rows(config: EngineConfig) -> int:
+    """Rows of the largest verify pass the scheduler can make (0 without speculation): every
+    running request with a full draft."""
+    scheduler = config.scheduler
+    if scheduler.speculation == "off":
+        return 0
+    return scheduler.max_running * (1 + scheduler.num_speculative_tokens)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

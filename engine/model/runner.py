@@ -27,6 +27,8 @@ from scheduler.batch import Batch, BatchEntry, slots_for
 
 log = logging.getLogger("radixkv.engine")
 
+# Rows of the largest verify graph (its logits: rows x vocabulary floats, ~100 MB at 512).
+MAX_VERIFY_ROWS = 512
 # Prompt rows scored at once: bounds the log-softmax's memory (rows x vocabulary floats).
 _SCORE_ROWS = 256
 
@@ -71,6 +73,7 @@ class ModelRunner:
         grammars: Grammars | None = None,
         cuda_graphs: bool = False,
         max_batch: int = 64,
+        max_verify_rows: int = 0,
     ) -> None:
         cfg = loaded.config
         if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
@@ -106,7 +109,7 @@ class ModelRunner:
         self.buffers = StepBuffers(loaded.device) if loaded.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
-            self.graphs = self._decode_graphs_or_eager(max_batch)
+            self.graphs = self._decode_graphs_or_eager(max_batch, max_verify_rows)
         self.sampler = Sampler(seed)
         # Structured outputs: masks each constrained row before sampling (None: not built).
         self.grammars = grammars
@@ -114,12 +117,12 @@ class ModelRunner:
             debug_checks = os.environ.get("RADIXKV_DEBUG_CHECKS", "0") not in ("", "0")
         self.debug_checks = debug_checks
 
-    def _decode_graphs_or_eager(self, max_batch: int) -> DecodeGraphs | None:
+    def _decode_graphs_or_eager(self, max_batch: int, max_rows: int) -> DecodeGraphs | None:
         """The decode graphs, or None (decode runs eagerly) when building or capturing them
         fails on this device: a slower engine that says why, not one that cannot start.
         A misconfiguration (``ValueError``) is still the caller's error."""
         try:
-            return self._decode_graphs(max_batch)
+            return self._decode_graphs(max_batch, max_rows)
         except ValueError:
             raise
         except Exception as error:  # a CUDA, cuBLAS or FlashInfer error while capturing
@@ -139,9 +142,12 @@ class ModelRunner:
         if self.loaded.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _decode_graphs(self, max_batch: int) -> DecodeGraphs:
+    def _decode_graphs(self, max_batch: int, max_rows: int) -> DecodeGraphs:
         """Decode graphs over FlashInfer wrappers twinned from the runner's backend (on the
-        CPU: the same buffers and plans, uncaptured)."""
+        CPU: the same buffers and plans, uncaptured); verify graphs of up to ``max_rows`` rows
+        where the plan is deterministic (speculation runs only there; the default plan's graph
+        wrappers are FlashInfer's decode wrapper, one row per entry). A batch-invariant runner
+        checks each bucket's first replay against its eager pass."""
         backend = self.backend
         if not isinstance(backend, FlashInferBackend):
             raise ValueError(f"cuda_graphs: needs the flashinfer backend, not {backend.name!r}")
@@ -156,12 +162,19 @@ class ModelRunner:
         return DecodeGraphs(
             self.pool, backend.graph_twin, forward, max_batch,
             -(-context // self.pool.page_size), capture=self.loaded.device.type == "cuda",
+            eager=self._eager if self.batch_invariant else None,
+            max_rows=min(max_rows, MAX_VERIFY_ROWS) if backend.deterministic else 0,
         )
+
+    def _eager(self, index: StepIndex) -> torch.Tensor:
+        """The pass ``index`` without graphs (logits of its sampled rows)."""
+        fb = ForwardBatch.from_index(index, self.loaded.device, self.buffers)
+        return self.loaded.model(fb, self.pool, self.backend, self.product_threads)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits ``[entries with sample=True, vocab]``; writes every token's K/V.
-        Decode passes run in the decode graphs where there are some."""
+        Decode and verify passes run in the graphs where there are some."""
         index = StepIndex.of(batch)
         if self.debug_checks:
             self._check(batch, ForwardBatch.from_index(index))
@@ -169,8 +182,7 @@ class ModelRunner:
             self.threads.apply(len(index.input_ids))
         if self.graphs is not None and self.graphs.takes(index):
             return self.graphs.run(index)
-        fb = ForwardBatch.from_index(index, self.loaded.device, self.buffers)
-        return self.loaded.model(fb, self.pool, self.backend, self.product_threads)
+        return self._eager(index)
 
     def _check(self, batch: Batch, fb: ForwardBatch) -> None:
         """What the scheduler and the engine's validation already guarantee (debugging)."""

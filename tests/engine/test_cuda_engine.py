@@ -93,3 +93,65 @@ def test_the_default_cuda_engine_decodes_in_graphs_and_is_verified_invariant(
         engine.generate([[100 + i for i in range(40)]] * 3,
                         SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
         assert graphs.replays > before
+
+
+def _verify(lengths: list[int], drafts: list[int]) -> tuple[Batch, Batch]:
+    """A prefill of each request's first ``n - 1`` tokens, then a verify pass: its last token
+    and a draft of ``k`` tokens, every row sampled."""
+    prefill, verify, page = [], [], 0
+    for i, (n, k) in enumerate(zip(lengths, drafts)):
+        table = list(range(page, page + -(-(n + k) // PS)))
+        ids = [(31 * i + 7 * j) % 5000 + 10 for j in range(n - 1)]
+        draft = [(13 * i + j) % 5000 + 10 for j in range(k)]
+        req = Request(i, ids, SamplingParams(max_new_tokens=k + 2), output=[11])
+        prefill.append(BatchEntry.on_pages(req, ids, 0, table, PS))
+        entry = BatchEntry.on_pages(req, [11] + draft, n - 1, table, PS)
+        entry.draft = draft
+        verify.append(entry)
+        page += len(table)
+    return Batch(prefill, PS), Batch(verify, PS)
+
+
+@pytest.mark.parametrize("lengths, drafts", [([40], [3]), ([17, 300, 64], [0, 8, 2]),
+                                             ([5, 9, 70, 2, 16, 31, 200], [8, 1, 0, 4, 2, 7, 3])])
+def test_a_verify_pass_in_a_graph_gives_the_eager_logits_bit_for_bit(
+    cuda_model: Any, lengths: list[int], drafts: list[int]
+) -> None:
+    """Speculation's verify rows padded into a graph of B entries and T rows (FlashInfer plans
+    its tiles from T in graph mode, from the pass's own rows eagerly) are the eager rows."""
+    cfg = cuda_model.config
+
+    def runner(graphs: bool) -> ModelRunner:
+        pool = KVPool(cfg.num_layers, 512, PS, cfg.num_kv_heads, cfg.head_dim, cuda_model.dtype,
+                      "cuda", scratch_pages=1)
+        return ModelRunner(cuda_model, pool, backend="flashinfer", batch_invariant=True,
+                           cuda_graphs=graphs, max_batch=16, max_verify_rows=16 * 9)
+
+    eager, graphs = runner(False), runner(True)
+    prefill, verify = _verify(lengths, drafts)
+    eager.forward(prefill)
+    graphs.forward(prefill)
+    want = eager.forward(verify).clone()
+    assert graphs.graphs is not None
+    graphs.graphs.eager = None  # compare here, not in the graphs' own first-replay check
+    got = graphs.forward(verify).clone()
+    assert graphs.graphs.replays == 1
+    assert torch.equal(got, want)
+
+
+def test_greedy_answers_with_speculation_in_graphs_equal_plain_decoding_on_cuda(
+    cuda_model: Any,
+) -> None:
+    from engine import Engine
+
+    text = [100 + (i % 37) for i in range(120)]  # repeats itself: the drafts find matches
+    prompts = [text + [200 + i] for i in range(4)]
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    with Engine(model=cuda_model, num_pages=2048) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, params)]
+    with Engine(model=cuda_model, num_pages=2048, speculation="tree") as spec:
+        assert spec.speculation == "tree" and spec.cuda_graphs
+        got = [o.token_ids for o in spec.generate(prompts, params)]
+        graphs = spec._loop._runner.graphs
+        assert graphs is not None and not graphs.retired
+    assert got == want

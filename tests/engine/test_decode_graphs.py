@@ -193,3 +193,113 @@ def test_the_default_plans_decode_wrapper_runs_in_graph_mode_too(loaded_fp32: An
     got = graphs.forward(batch)
     assert graphs.graphs.replays == 1
     assert torch.equal(got, want)
+
+
+def _verify_batch(lengths: list[int], drafts: list[int]) -> Batch:
+    """Per request, its last token (7) and a draft of ``k`` tokens after ``n - 1`` cached
+    tokens of 5s: a verify pass (every row sampled), each request on its own pages."""
+    entries, page = [], 0
+    for i, (n, k) in enumerate(zip(lengths, drafts)):
+        need = -(-(n + k) // PS)
+        draft = [11 + j for j in range(k)]
+        req = Request(i, [5] * (n - 1), SamplingParams(max_new_tokens=k + 2), output=[7])
+        entry = BatchEntry.on_pages(req, [7] + draft, n - 1, list(range(page, page + need)), PS)
+        entry.draft = draft
+        entries.append(entry)
+        page += need
+    return Batch(entries, PS)
+
+
+def test_a_verify_pass_pads_to_a_bucket_with_its_spare_rows_on_the_scratch_page() -> None:
+    index = StepIndex.of(_verify_batch([3, 20], [2, 4]))  # 2 entries, 8 rows
+    padded = pad_index(index, 4, scratch_page=99, rows=16)  # 2 padding entries: 1 + 7 rows
+    assert padded.qo_lens == [3, 5, 1, 7]
+    assert padded.qo_indptr == [0, 3, 8, 9, 16]
+    assert padded.logits_indices == list(range(16))
+    assert padded.positions[8:] == [0] + list(range(7))
+    assert padded.kv_indices[len(index.kv_indices):] == [99, 99]
+    assert padded.kv_last_page_len[2:] == [1, 7]
+    assert padded.append_batch_indices[8:] == [2] + [3] * 7
+    assert all(s // PS == 99 for s in padded.slots[8:])
+    with pytest.raises(ValueError, match="rows"):
+        pad_index(index, 4, scratch_page=99, rows=9)  # no row for the second padding entry
+    with pytest.raises(ValueError, match="rows"):
+        pad_index(index, 2, scratch_page=99, rows=16)  # spare rows and no entry to hold them
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 70), st.integers(0, 8)), min_size=1, max_size=6),
+       st.integers(1, 3), st.integers(0, 40))
+def test_a_padded_pass_is_a_consistent_index_whose_real_rows_are_unchanged(
+    requests: list[tuple[int, int]], extra_entries: int, spare: int
+) -> None:
+    index = StepIndex.of(_verify_batch([n for n, _ in requests], [k for _, k in requests]))
+    n, r = len(index.qo_lens), len(index.input_ids)
+    padded = pad_index(index, n + extra_entries, 99, r + extra_entries + spare)
+    rows = r + extra_entries + spare
+    assert len(padded.input_ids) == len(padded.positions) == len(padded.slots) == rows
+    assert padded.qo_indptr[-1] == rows and len(padded.qo_lens) == n + extra_entries
+    assert [b - a for a, b in zip(padded.qo_indptr, padded.qo_indptr[1:])] == padded.qo_lens
+    pages = [b - a for a, b in zip(padded.kv_indptr, padded.kv_indptr[1:])]
+    assert pages == [-(-kv // PS) for kv in padded.kv_lens]
+    assert padded.kv_indptr[-1] == len(padded.kv_indices)
+    assert all(1 <= last <= PS for last in padded.kv_last_page_len)
+    for name in ("input_ids", "positions", "slots", "append_positions", "append_batch_indices"):
+        assert getattr(padded, name)[:r] == getattr(index, name)[:r], name
+    assert set(padded.kv_indices[len(index.kv_indices):]) <= {99}
+
+
+@pytest.mark.parametrize("lengths, drafts", [
+    ([40], [3]),
+    ([17, 33, 64], [0, 5, 2]),
+    ([5, 9, 70, 2, 16, 31, 20], [8, 1, 0, 4, 2, 7, 3]),
+])
+def test_a_verify_pass_in_a_graph_equals_the_eager_pass_bit_for_bit(
+    loaded_fp32: Any, lengths: list[int], drafts: list[int]
+) -> None:
+    cfg = loaded_fp32.config
+
+    def runner(graphs: bool) -> ModelRunner:
+        pool = KVPool(cfg.num_layers, PAGES, PS, cfg.num_kv_heads, cfg.head_dim,
+                      scratch_pages=1)
+        return ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=True,
+                           cuda_graphs=graphs, max_batch=8, max_verify_rows=8 * 9)
+
+    eager, graphs = runner(False), runner(True)
+    assert graphs.graphs is not None
+    for r in (eager, graphs):
+        _prefill(r, lengths)
+    batch = _verify_batch(lengths, drafts)
+    shape = graphs.graphs.shape_for(StepIndex.of(batch))
+    assert shape is not None and shape[1] > shape[0]  # a verify graph: more rows than entries
+    want = eager.forward(batch)
+    got = graphs.forward(batch)
+    assert graphs.graphs.replays == 1 and not graphs.graphs.retired
+    assert got.shape[0] == sum(1 + k for k in drafts)
+    assert torch.equal(got, want)
+    again = graphs.forward(batch)  # checked at its first replay: now the graph alone
+    assert graphs.graphs.replays == 2 and torch.equal(again, want)
+    slots = [s for e in batch.entries for s in e.slots]
+    for layer in (0, len(eager.pool.k_cache) - 1):
+        k_eager = eager.pool.k_cache[layer].view(-1, *eager.pool.k_cache[layer].shape[2:])
+        k_graph = graphs.pool.k_cache[layer].view(-1, *graphs.pool.k_cache[layer].shape[2:])
+        assert torch.equal(k_graph[slots], k_eager[slots])
+
+
+def test_verify_passes_beyond_the_graphs_run_eagerly(loaded_fp32: Any) -> None:
+    cfg = loaded_fp32.config
+    pool = KVPool(cfg.num_layers, PAGES, PS, cfg.num_kv_heads, cfg.head_dim, scratch_pages=1)
+    graphs = ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=True,
+                         cuda_graphs=True, max_batch=4, max_verify_rows=12).graphs
+    assert graphs is not None
+    assert graphs.shape_for(StepIndex.of(_verify_batch([9, 9], [2, 2]))) == (4, 8)
+    assert graphs.shape_for(StepIndex.of(_verify_batch([9, 9], [5, 5]))) is None  # > 12 rows
+    assert graphs.shape_for(StepIndex.of(_verify_batch([9] * 4, [1] * 4))) is None  # no pad entry
+    no_verify = ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=True,
+                            cuda_graphs=True, max_batch=4).graphs
+    assert no_verify is not None
+    assert no_verify.shape_for(StepIndex.of(_verify_batch([9, 9], [2, 2]))) is None
+    # the default plan's graphs hold FlashInfer's decode wrapper: one row per entry only
+    fast = ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=False,
+                       cuda_graphs=True, max_batch=4, max_verify_rows=12).graphs
+    assert fast is not None and fast.max_rows == 4

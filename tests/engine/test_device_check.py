@@ -121,11 +121,28 @@ class _GraphRowsDiffer:
         return self.forward(fb, attention) * (1.0 + 1e-4)
 
 
-def test_graphs_that_differ_from_eager_passes_are_dropped_and_the_runner_stays_exact(
+def test_a_graph_bucket_whose_first_replay_differs_is_retired_and_its_passes_run_eagerly(
     loaded_fp32: Any,
 ) -> None:
     runner = _runner(loaded_fp32)
     assert runner.graphs is not None
+    runner.graphs.forward = _GraphRowsDiffer(runner.graphs.forward)
+    with pytest.warns(RuntimeWarning, match="graph of 4 entries and 4 rows .* differ"):
+        assert verify_on_device(runner)
+    # the buckets of the check's decodes: alone, and padded from 3 and 6 entries
+    assert runner.graphs.retired == {(1, 1), (4, 4), (8, 8)}
+    replays = runner.graphs.replays
+    report = check_runner(runner)
+    assert report is not None and report.invariant
+    assert runner.graphs.replays == replays  # their passes ran eagerly
+
+
+def test_graphs_that_differ_past_their_first_replay_are_dropped_by_the_start_up_check(
+    loaded_fp32: Any,
+) -> None:
+    runner = _runner(loaded_fp32)
+    assert runner.graphs is not None
+    runner.graphs.eager = None  # no first-replay comparison: the start-up check is the net
     runner.graphs.forward = _GraphRowsDiffer(runner.graphs.forward)
     with pytest.warns(RuntimeWarning, match="decode graphs .* differ from eager passes"):
         assert verify_on_device(runner)

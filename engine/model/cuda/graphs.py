@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs: the host launches one graph, not ~500 kernels.
+"""Decode and verify steps replayed from CUDA graphs: the host launches one graph, not ~500
+kernels.
 
 Eager, a decode step of a small model is bound by the host launching its kernels, not by the
 GPU (the first GPU run's profile: docs/gpu.md). Here a decode pass of ``n`` requests runs as
@@ -12,17 +13,27 @@ the graph captured for the smallest bucket ``B >= n`` (1, 2, 4, 8, then every 8 
   output;
 - rows ``n..B-1`` are padding: token 0 at position 0 over the pool's scratch page, which no
   request owns, so their K/V lands there; their logits are dropped;
-- mixed and prefill passes, passes that score prompt tokens, entries that do not sample and
-  passes beyond the largest bucket or the page capacity run eagerly.
+- a verify pass (speculation: an entry's last token and its draft, every row sampled) runs as
+  the graph of ``B`` entries and ``T`` rows: ``B`` the smallest bucket above its entries (one
+  padding entry at least), ``T`` the smallest of ``2B, 4B, 8B, 16B`` (up to ``max_rows``)
+  that holds its rows and a row per padding entry; the last padding entry takes the spare
+  rows, all on the scratch page. These graphs are captured on first use;
+- every bucket's first replay is compared with the eager pass bit for bit (the padding changes
+  the pass FlashInfer plans, and a row must not depend on it): a bucket that differs is
+  retired with a warning and its passes run eagerly from then on;
+- mixed and prefill passes, passes that score prompt tokens, entries that do not sample every
+  row and passes beyond the largest bucket or the page capacity run eagerly.
 
 Without CUDA (the CPU, where CI runs) the same buffers, padding, wrappers and plans run
 without capture, so everything but the capture itself is tested there, bit for bit against
 the eager path. Whether a padded graph row equals an eager one on the device is part of the
-start-up check (``device_check``).
+start-up check (``device_check``) and of each bucket's first replay.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,8 +44,14 @@ from engine.model.cuda.step_buffers import StepBuffers
 from engine.model.forward_batch import ForwardBatch, StepIndex
 from engine.model.kv_pool import KVPool
 
+log = logging.getLogger("radixkv.engine")
+
 # Forward of a planned pass: (forward batch, backend) -> logits of its sampled rows.
 Forward = Callable[[ForwardBatch, AttentionBackend], torch.Tensor]
+# The same pass run eagerly: (index) -> logits of its sampled rows.
+Eager = Callable[[StepIndex], torch.Tensor]
+# A verify graph of B entries holds B times one of these rows (capped by ``max_rows``).
+VERIFY_ROW_FACTORS = (2, 4, 8, 16)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -46,29 +63,48 @@ def buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def pad_index(index: StepIndex, batch: int, scratch_page: int) -> StepIndex:
-    """``index`` (one token per entry, every entry sampled) padded to ``batch`` entries with
-    rows over ``scratch_page``; every row's logits are computed (``logits_indices`` 0..B-1)."""
+def pad_index(index: StepIndex, batch: int, scratch_page: int, rows: int | None = None) -> StepIndex:
+    """``index`` (every row sampled) padded to ``batch`` entries and ``rows`` rows (default:
+    one per entry) with entries over ``scratch_page``: one row each, the last one taking the
+    spare rows; every row's logits are computed (``logits_indices`` 0..rows-1)."""
     n = len(index.qo_lens)
-    pad = batch - n
+    rows = batch if rows is None else rows
+    pad, spare = batch - n, rows - len(index.input_ids)
     if pad < 0:
         raise ValueError(f"batch: {batch} is smaller than the pass's {n} entries")
+    if spare < pad or (pad == 0 and spare > 0):
+        raise ValueError(
+            f"rows: {rows} cannot hold the pass's {len(index.input_ids)} rows and a row for "
+            f"each of its {pad} padding entries"
+        )
     ps = index.page_size
-    last = index.kv_indptr[-1]
+    pad_rows = [1] * (pad - 1) + [spare - (pad - 1)] if pad else []
+    positions, slots, pages, last_lens, entries = [], [], [], [], []
+    kv_indptr = list(index.kv_indptr)
+    qo_indptr = list(index.qo_indptr)
+    for k, m in enumerate(pad_rows):
+        positions += range(m)
+        slots += [scratch_page * ps + j % ps for j in range(m)]
+        used = -(-m // ps)
+        pages += [scratch_page] * used
+        last_lens.append(m - (used - 1) * ps)
+        kv_indptr.append(kv_indptr[-1] + used)
+        qo_indptr.append(qo_indptr[-1] + m)
+        entries += [n + k] * m
     return StepIndex(
-        input_ids=index.input_ids + [0] * pad,
-        positions=index.positions + [0] * pad,
-        slots=index.slots + [scratch_page * ps] * pad,
-        logits_indices=list(range(batch)),
-        qo_indptr=list(range(batch + 1)),
-        kv_indptr=index.kv_indptr + [last + i for i in range(1, pad + 1)],
-        kv_last_page_len=index.kv_last_page_len + [1] * pad,
-        append_batch_indices=list(range(batch)),
-        append_positions=index.append_positions + [0] * pad,
-        kv_indices=index.kv_indices + [scratch_page] * pad,
+        input_ids=index.input_ids + [0] * spare,
+        positions=index.positions + positions,
+        slots=index.slots + slots,
+        logits_indices=list(range(rows)),
+        qo_indptr=qo_indptr,
+        kv_indptr=kv_indptr,
+        kv_last_page_len=index.kv_last_page_len + last_lens,
+        append_batch_indices=index.append_batch_indices + entries,
+        append_positions=index.append_positions + positions,
+        kv_indices=index.kv_indices + pages,
         page_size=ps,
-        qo_lens=[1] * batch,
-        kv_lens=index.kv_lens + [1] * pad,
+        qo_lens=index.qo_lens + pad_rows,
+        kv_lens=index.kv_lens + pad_rows,
         sample_rows=list(range(batch)),
         num_scored=0,
     )
@@ -80,20 +116,27 @@ class _Bucket:
     captured with and, on CUDA, its graph and the logits tensor the graph writes."""
 
     size: int
+    rows: int
     backend: AttentionBackend
     forward_batch: ForwardBatch
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
+    checked: bool = False  # its first replay equalled the eager pass
 
 
 class DecodeGraphs:
-    """Decode passes of up to ``max_batch`` entries through per-bucket graphs.
+    """Decode passes of up to ``max_batch`` entries, and verify passes of up to ``max_rows``
+    rows, through per-bucket graphs.
 
     ``make_backend(batch, pages)`` builds an attention backend whose wrappers run in graph mode
     for ``batch`` entries and up to ``pages`` pages; ``forward`` runs a planned pass (the
-    model's ``forward_planned``). ``max_pages_per_entry`` bounds a request's page table (the
-    context over the page size). ``capture``: record CUDA graphs (CUDA only); otherwise each
-    bucket's pass runs eagerly over the same static buffers."""
+    model's ``forward_planned``); ``eager`` runs a pass as the runner would without graphs
+    (each bucket's first replay is compared with it). ``max_pages_per_entry`` bounds a
+    request's page table (the context over the page size). ``max_rows``: rows of the largest
+    verify graph (0 or ``max_batch``: no verify graphs; they need a backend whose graph
+    wrappers take several rows per entry, FlashInfer's prefill wrapper). ``capture``: record
+    CUDA graphs (CUDA only); otherwise each bucket's pass runs over the same static buffers
+    without capture."""
 
     def __init__(
         self,
@@ -103,6 +146,8 @@ class DecodeGraphs:
         max_batch: int,
         max_pages_per_entry: int,
         capture: bool,
+        eager: Eager | None = None,
+        max_rows: int = 0,
     ) -> None:
         if pool.scratch_page is None:
             raise ValueError("pool: decode graphs need a scratch page (KVPool(scratch_pages=1))")
@@ -110,55 +155,75 @@ class DecodeGraphs:
             raise ValueError(f"capture: CUDA graphs need a CUDA device, the pool is on {pool.device}")
         self.pool = pool
         self.scratch_page = pool.scratch_page
+        self.make_backend = make_backend
         self.forward = forward
+        self.eager = eager
         self.max_batch = max_batch
+        self.max_rows = max(max_rows, max_batch)
         self.capture = capture
-        self.max_pages = max_batch * max_pages_per_entry
+        self.max_pages_per_entry = max_pages_per_entry
+        # Real pages, plus the scratch page once per padding entry and per page of spare rows.
+        ps = pool.page_size
+        self.max_pages = max_batch * max_pages_per_entry + max_batch + -(-self.max_rows // ps)
+        rows, entries = self.max_rows, max_batch
         capacity = {
-            "input_ids": max_batch, "positions": max_batch, "slots": max_batch,
-            "logits_indices": max_batch, "qo_indptr": max_batch + 1,
-            "kv_indptr": max_batch + 1, "kv_last_page_len": max_batch,
-            "append_batch_indices": max_batch, "append_positions": max_batch,
-            "kv_indices": self.max_pages,
+            "input_ids": rows, "positions": rows, "slots": rows, "logits_indices": rows,
+            "qo_indptr": entries + 1, "kv_indptr": entries + 1, "kv_last_page_len": entries,
+            "append_batch_indices": rows, "append_positions": rows, "kv_indices": self.max_pages,
         }
-        # One fixed layout for every bucket: bucket B reads the first B entries of each field.
+        # One fixed layout for every bucket: a bucket reads the first entries of each field.
         self.buffers = StepBuffers(pool.device, capacity)
         self.sizes = buckets(max_batch)
         self.replays = 0
-        self._buckets: dict[int, _Bucket] = {}
+        self.retired: set[tuple[int, int]] = set()
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._memory_pool = None
         for size in sorted(self.sizes, reverse=True):  # largest first: the others reuse its memory
-            backend = make_backend(size, size * max_pages_per_entry)
-            fb = self._static_batch(pad_index(_empty_index(pool.page_size), size, self.scratch_page))
-            bucket = _Bucket(size, backend, fb)
-            if capture:
-                self._capture(bucket)
-            self._buckets[size] = bucket
+            self._buckets[(size, size)] = self._build(size, size)
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest bucket holding ``n`` entries (None: more than the largest)."""
         return next((b for b in self.sizes if b >= n), None)
 
+    def shape_for(self, index: StepIndex) -> tuple[int, int] | None:
+        """The graph (entries, rows) that holds ``index``, or None: it runs eagerly."""
+        n, r = len(index.qo_lens), len(index.input_ids)
+        if index.num_scored or index.logits_indices != list(range(r)):
+            return None  # a prefill chunk's rows, or prompt rows scored
+        if r == n:
+            size = self.bucket_for(n)
+            shape = None if size is None else (size, size)
+        else:
+            size = self.bucket_for(n + 1)  # a padding entry takes the spare rows
+            if size is None:
+                return None
+            need = r + size - n
+            rows = next((size * f for f in VERIFY_ROW_FACTORS
+                         if need <= size * f <= self.max_rows), None)
+            shape = None if rows is None else (size, rows)
+        if shape is None or shape in self.retired:
+            return None
+        size, rows = shape
+        spare_pages = (size - n - 1) + -(-(rows - r - (size - n - 1)) // self.pool.page_size)
+        if len(index.kv_indices) + spare_pages > self.max_pages:
+            return None
+        return shape
+
     def takes(self, index: StepIndex) -> bool:
-        """Whether this pass runs in a graph: one token per entry, each sampled once, no
-        prompt scoring, and within the buckets and the page capacity."""
-        n = len(index.qo_lens)
-        return (
-            n <= self.max_batch
-            and len(index.input_ids) == n
-            and index.num_scored == 0
-            and index.logits_indices == list(range(n))
-            and len(index.kv_indices) + (self.bucket_for(n) or 0) - n <= self.max_pages
-        )
+        """Whether this pass runs in a graph: every row sampled (one per entry, or an entry's
+        last token and its draft), no prompt scoring, within the buckets and the capacity."""
+        return self.shape_for(index) is not None
 
     def run(self, index: StepIndex) -> torch.Tensor:
-        """Logits ``[n, vocab]`` of the pass ``index`` (``takes(index)`` must hold): a view of
-        the graph's output, valid until the next replay."""
-        n = len(index.qo_lens)
-        size = self.bucket_for(n)
-        assert size is not None
-        bucket = self._buckets[size]
-        padded = pad_index(index, size, self.scratch_page)
+        """Logits ``[rows, vocab]`` of the pass ``index`` (``takes(index)`` must hold): a view
+        of the graph's output, valid until the next replay (or the eager pass's logits, the
+        one time a bucket's first replay differs from them)."""
+        shape = self.shape_for(index)
+        assert shape is not None
+        bucket = self._buckets.get(shape)
+        if bucket is None:
+            bucket = self._buckets[shape] = self._build(*shape)
+        padded = pad_index(index, bucket.size, self.scratch_page, bucket.rows)
         fb = self._static_batch(padded)
         bucket.backend.plan(fb)
         if bucket.graph is None:
@@ -168,7 +233,34 @@ class DecodeGraphs:
             assert bucket.logits is not None
             logits = bucket.logits
         self.replays += 1
-        return logits[:n]
+        got = logits[: len(index.input_ids)]
+        if bucket.checked or self.eager is None:
+            return got
+        want = self.eager(index)  # writes the same K/V again: the eager pass's, if they differ
+        if torch.equal(got, want):
+            bucket.checked = True
+            return got
+        self.retired.add(shape)
+        del self._buckets[shape]
+        message = (
+            f"cuda_graphs: the graph of {shape[0]} entries and {shape[1]} rows gave logits that "
+            "differ from the eager pass's; passes of that shape run eagerly"
+        )
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return want
+
+    def _build(self, size: int, rows: int) -> _Bucket:
+        """A bucket's backend, its all-padding pass (of ``rows`` rows: FlashInfer's graph
+        wrapper keeps the first plan's row count as its most) and, on CUDA, its graph."""
+        backend = self.make_backend(size, size * self.max_pages_per_entry + size
+                                    + -(-rows // self.pool.page_size))
+        empty = _empty_index(self.pool.page_size)
+        fb = self._static_batch(pad_index(empty, size, self.scratch_page, rows))
+        bucket = _Bucket(size, rows, backend, fb)
+        if self.capture:
+            self._capture(bucket)
+        return bucket
 
     def _static_batch(self, index: StepIndex) -> ForwardBatch:
         """``index`` packed into the fixed buffers: its tensors are views at the same addresses

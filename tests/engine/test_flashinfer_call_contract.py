@@ -5,6 +5,7 @@ intact while the next pass is packed (FlashInfer copies them asynchronously)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from flashinfer_cases import HKV, HQ, D, build_pass, requests_for
 
@@ -95,3 +96,29 @@ def test_a_packed_pass_keeps_its_host_views_while_the_next_pass_is_packed() -> N
         kept = first.host.kv_indptr.clone()
         ForwardBatch.from_index(_decode_index([40, 9, 33]), CPU, buffers)
         assert torch.equal(first.host.kv_indptr, kept)  # not rewritten by the next pack
+
+
+def test_the_reference_refuses_what_flashinfer_would_misread() -> None:
+    """FlashInfer's prefill plan takes head_dim_vo after page_size (a positional ``causal``
+    there would be read as it), its run's ``return_lse`` is keyword-only, and a CUDA-graph
+    prefill wrapper refuses more query rows than its first plan had."""
+    from engine.model.cuda import flashinfer_reference as ref
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    bufs = [torch.zeros(n, dtype=torch.int32) for n in (3, 3, 8, 2)]
+    wrapper = ref.BatchPrefillWithPagedKVCacheWrapper(
+        torch.empty(0), "NHD", use_cuda_graph=True, qo_indptr_buf=bufs[0],
+        paged_kv_indptr_buf=bufs[1], paged_kv_indices_buf=bufs[2],
+        paged_kv_last_page_len_buf=bufs[3],
+    )
+    tables = (i32([0, 1, 2]), i32([0, 1, 2]), i32([0, 1]), i32([1, 1]))
+    with pytest.raises(TypeError):
+        wrapper.plan(*tables, HQ, HKV, D, PS, True)  # type: ignore[misc]
+    wrapper.plan(*tables, HQ, HKV, D, PS, causal=True)
+    with pytest.raises(ValueError, match="rows"):
+        wrapper.plan(i32([0, 2, 3]), *tables[1:], HQ, HKV, D, PS, causal=True)
+    cache = torch.zeros(2, PS, HKV, D)
+    with pytest.raises(TypeError):
+        wrapper.run(torch.zeros(2, HQ, D), (cache, cache), True)  # type: ignore[misc]

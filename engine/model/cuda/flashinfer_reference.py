@@ -133,6 +133,9 @@ class _PagedAttention:
             if len(kv_indptr) != len(kv_last_page_len) + 1:
                 raise ValueError("kv_indptr: its length must be the batch size + 1")
             self._graph = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        # CUDA-graph mode: FlashInfer's prefill wrapper keeps its first plan's query rows as
+        # the most any later plan may have (it sizes the captured grid from them).
+        self._max_rows: int | None = None
 
     def _plan(
         self,
@@ -168,6 +171,14 @@ class _PagedAttention:
             if len(kv_indices) > len(indices_buf):
                 raise ValueError("kv_indices: longer than the CUDA-graph buffer")
             if qo_buf is not None and qo_indptr is not None:
+                rows = int(qo_indptr[-1])
+                if self._max_rows is None:
+                    self._max_rows = rows
+                elif rows > self._max_rows:
+                    raise ValueError(
+                        f"qo_indptr: {rows} rows in a CUDA-graph wrapper first planned with "
+                        f"{self._max_rows}"
+                    )
                 qo_buf.copy_(qo_indptr)
             kv_buf.copy_(kv_indptr)
             indices_buf[: len(kv_indices)].copy_(kv_indices)
@@ -187,6 +198,7 @@ class _PagedAttention:
         self,
         q: torch.Tensor,
         paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+        *,  # keyword-only in FlashInfer's run (after its *args)
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q`` over the planned pages; with ``return_lse`` also the base-2
@@ -249,6 +261,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
         num_kv_heads: int,
         head_dim_qk: int,
         page_size: int,
+        *,  # FlashInfer's next positional is head_dim_vo: pass the rest by name, as we do
         causal: bool = False,
         sm_scale: float | None = None,
         q_data_type: torch.dtype | None = None,
@@ -291,6 +304,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
         num_kv_heads: int,
         head_dim: int,
         page_size: int,
+        *,  # FlashInfer's next positional is pos_encoding_mode: pass the rest by name
         sm_scale: float | None = None,
         q_data_type: torch.dtype | None = None,
         kv_data_type: torch.dtype | None = None,

@@ -21,7 +21,7 @@ def test_every_section_of_the_gpu_bench_runs_and_the_defaults_are_exact(
     assert "failed" not in out, out
     titles = re.findall(r"^### (.+)$", out, flags=re.M)
     assert [t.split(" ")[0] for t in titles] == [
-        "Exactness", "Whole", "Shared-prefix", "Where", "Decode"
+        "Exactness", "Whole", "Verify", "Shared-prefix", "Where", "Decode"
     ], titles
     n = gpu.SMOKE.exact_on_shared + gpu.SMOKE.exact_own
     defaults = [line for line in out.splitlines() if line.startswith("| defaults")]
@@ -30,3 +30,7 @@ def test_every_section_of_the_gpu_bench_runs_and_the_defaults_are_exact(
     decode_rows = [line for line in out.splitlines() if line.startswith("| decode, own pages")]
     assert len(decode_rows) == len(gpu.DECODE_MODES) * len(gpu.SMOKE.decode_shapes)
     assert all(re.search(r"\| [0-9.]+x \|$", line) for line in decode_rows), decode_rows
+    # verify passes ran in their graphs (no "ran eager" row) and eagerly
+    verify = [line for line in out.splitlines() if line.startswith("| verify")]
+    assert len(verify) == 2 * len(gpu.SMOKE.verify_shapes) * len(gpu.SMOKE.drafts), verify
+    assert not any("ran eager" in line for line in verify), verify

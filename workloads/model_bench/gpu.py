@@ -64,6 +64,8 @@ class Sizes(msgspec.Struct, frozen=True):
     cascade_shapes: tuple[Shape, ...] = ((8, 1024), (32, 1024), (64, 4096))
     prefills: tuple[int, ...] = (512, 2048, 8192)
     profile_shapes: tuple[Shape, ...] = ((8, 512), (64, 2048))
+    verify_shapes: tuple[Shape, ...] = ((1, 512), (8, 512), (32, 512))
+    drafts: tuple[int, ...] = (4, 8)
     prefixes: tuple[int, ...] = (1000, 4000)
     groups: int = 8  # shared-prefix workload: groups x groups requests
     question_tokens: int = 60
@@ -77,7 +79,8 @@ class Sizes(msgspec.Struct, frozen=True):
 SMOKE = Sizes(
     repeats=1, warmup=1, copy_bytes=1 << 20, matmul_n=64, attention_heads=((4, 2, 32),),
     attention_shapes=((2, 40),), decode_shapes=((1, 20), (3, 40)), cascade_shapes=((4, 64),),
-    prefills=(48,), profile_shapes=((3, 40),), prefixes=(48,), groups=2, question_tokens=6,
+    prefills=(48,), profile_shapes=((3, 40),),
+    verify_shapes=((1, 20), (3, 40)), drafts=(2,), prefixes=(48,), groups=2, question_tokens=6,
     new_tokens=3, exact_shared=40, exact_on_shared=3, exact_own=2, exact_chunk=16,
 )
 
@@ -199,12 +202,60 @@ DECODE_MODES = (
 )
 
 
-def decode_runner(loaded: Any, pages: int, invariant: bool, graphs: bool, max_batch: int) -> Any:
+def decode_runner(loaded: Any, pages: int, invariant: bool, graphs: bool, max_batch: int,
+                  max_verify_rows: int = 0) -> Any:
     cfg = loaded.config
     pool = KVPool(cfg.num_layers, pages, 16, cfg.num_kv_heads, cfg.head_dim, loaded.dtype,
                   loaded.device, scratch_pages=1)
     return ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=invariant,
-                       cuda_graphs=graphs, max_batch=max_batch)
+                       cuda_graphs=graphs, max_batch=max_batch, max_verify_rows=max_verify_rows)
+
+
+def verify_batch(b: int, ctx: int, drafts: int, page_size: int) -> Batch:
+    """``b`` verify entries: each request's last token and ``drafts`` draft tokens after
+    ``ctx - 1`` cached ones, every row sampled, each on its own pages."""
+    entries, page = [], 0
+    for i in range(b):
+        need = -(-(ctx + drafts) // page_size)
+        draft = [8 + j for j in range(drafts)]
+        req = Request(i, [7] * ctx, SamplingParams(max_new_tokens=drafts + 2), output=[7])
+        entry = BatchEntry.on_pages(req, [7] + draft, ctx - 1, list(range(page, page + need)),
+                                    page_size)
+        entry.draft = draft
+        entries.append(entry)
+        page += need
+    return Batch(entries, page_size)
+
+
+def verify_rows(loaded: Any, sizes: Sizes) -> list[list[object]]:
+    """What a verify pass (speculation: the last token and a draft, every row sampled) costs
+    against a plain decode step of the same requests, deterministic plan, in graphs and
+    eagerly: on a GPU a draft row should be nearly free, which is what speculation buys."""
+    rows: list[list[object]] = []
+    ps = 16
+    time_of = partial(device_time, sizes=sizes, device=loaded.device)
+    for b, ctx in sizes.verify_shapes:
+        most = max(sizes.drafts)
+        pages = b * -(-(ctx + most + 1) // ps) + 2 * b + 8
+        for graphs in (True, False):
+            mode = "graphs" if graphs else "eager"
+            try:
+                runner = decode_runner(loaded, pages, True, graphs, b + 1, (b + 1) * (1 + most))
+                decode = time_of(partial(runner.step, decode_batch([ctx] * b, ps)))
+                for k in sizes.drafts:
+                    batch = verify_batch(b, ctx, k, ps)
+                    replays = runner.graphs.replays if runner.graphs is not None else 0
+                    seconds = time_of(partial(runner.step, batch))
+                    ran = runner.graphs is not None and runner.graphs.replays > replays
+                    label = f"verify, {mode}, deterministic" + (
+                        " (ran eager)" if graphs and not ran else "")
+                    rows.append([label, b, ctx, k, f"{decode * 1e3:.2f}", f"{seconds * 1e3:.2f}",
+                                 f"{seconds / decode:.2f}x"])
+            except Exception as exc:  # one failed shape must not cost the others their rows
+                rows.append([f"verify, {mode}", b, ctx, "", f"failed: {exc!r}"[:120], "", ""])
+            finally:
+                runner = None
+    return rows
 
 
 def model_rows(loaded: Any, bandwidth: float, peak: float, sizes: Sizes) -> list[list[object]]:
@@ -455,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="checkpoint for speed (default: bundled)")
     ap.add_argument("--exactness-model", default=None, help="checkpoint for exactness")
     ap.add_argument("--skip", nargs="*", default=[],
-                    help="exactness model workload profile attention")
+                    help="exactness model verify workload profile attention")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes, on the CPU unless CUDA is here: checks the code, not speed")
     args = ap.parse_args(argv)
@@ -484,6 +535,10 @@ def main(argv: list[str] | None = None) -> None:
         section(f"Whole model ({args.model or 'bundled'}), bf16, page 16",
                 ["case", "batch", "context", "ms/step", "tok/s", "floor ms", "x floor"],
                 partial(model_rows, speed, bandwidth, peak, sizes))
+    if "verify" not in args.skip:
+        section("Verify passes (speculation) against a decode step, bf16, page 16",
+                ["case", "batch", "context", "drafts", "decode ms", "verify ms",
+                 "verify / decode"], partial(verify_rows, speed, sizes))
     if "workload" not in args.skip:
         for prefix in sizes.prefixes:
             section(f"Shared-prefix workload ({prefix}-token prefixes: {sizes.groups ** 2} "

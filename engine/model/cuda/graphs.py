@@ -15,8 +15,8 @@ the graph captured for the smallest bucket ``B >= n`` (1, 2, 4, 8, then every 8 
   request owns, so their K/V lands there; their logits are dropped;
 - a verify pass (speculation: an entry's last token and its draft, every row sampled) runs as
   the graph of ``B`` entries and ``T`` rows: ``B`` the smallest bucket above its entries (one
-  padding entry at least), ``T`` the smallest of ``2B, 4B, 8B, 16B`` (up to ``max_rows``)
-  that holds its rows and a row per padding entry; the last padding entry takes the spare
+  padding entry at least), ``T`` the smallest of ``2B, 4B, 8B, 16B`` (each at most
+  ``max_rows``) that holds its rows and a row per padding entry; the last padding entry takes the spare
   rows, all on the scratch page. These graphs are captured on first use;
 - every bucket's first replay is compared with the eager pass bit for bit (the padding changes
   the pass FlashInfer plans, and a row must not depend on it): a bucket that differs is
@@ -198,8 +198,9 @@ class DecodeGraphs:
             if size is None:
                 return None
             need = r + size - n
-            rows = next((size * f for f in VERIFY_ROW_FACTORS
-                         if need <= size * f <= self.max_rows), None)
+            # the largest verify graph is ``max_rows`` itself when a factor's would exceed it
+            sizes = [min(size * f, self.max_rows) for f in VERIFY_ROW_FACTORS]
+            rows = next((t for t in sizes if need <= t), None)
             shape = None if rows is None else (size, rows)
         if shape is None or shape in self.retired:
             return None

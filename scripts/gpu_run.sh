@@ -2,10 +2,16 @@
 # Everything the GPU issue measures, on a lent GPU machine (bare when it starts; no network):
 # install the packed wheels, build random-weight models, run the `cuda` tests and our CPU
 # kernels' tests on the host CPU, the benchmarks; logs and tables go to $OUT (they come back).
-# Prepare here with scripts/gpu_pack.sh, then call the device tool with carry [".gpu"]:
-#   bash scripts/gpu_run.sh tests     (~5 min: install, models, cuda tests, host-CPU tests)
-#   bash scripts/gpu_run.sh bench     (~8 min: attention, whole model, workload, exactness)
-#   bash scripts/gpu_run.sh all       (both; for a machine without a 10-minute limit)
+# Prepare here with scripts/gpu_pack.sh, then call the device tool with carry [".gpu"] and
+# timeout_s 600:
+#   bash scripts/gpu_run.sh all       (one call, the usual one: everything, most wanted first,
+#                                      within BUDGET seconds, default 560)
+#   bash scripts/gpu_run.sh tests     (the cuda tests, then our CPU kernels on the host CPU)
+#   bash scripts/gpu_run.sh bench     (workloads.model_bench.gpu alone)
+# A session has 15 minutes of device time, the machine's start (a minute or more) included,
+# so `all` is one call: cuda tests (exactness first), the bench (its sections flushed as they
+# finish, so a cut keeps the tables done), then the host CPU's tests, each step given what is
+# left of the budget (a step that would get under 10 s is skipped and says so).
 # FlashInfer compiles its kernels on first use into .flashinfer/ (ignored, not carried: it
 # stays on the machine while the machine stays warm between calls); gpu_pack.sh copies
 # ../shared/gpu's compiled kernels into .gpu/, unpacked there first (~70 s of compiling saved).
@@ -14,12 +20,21 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASE=${1:-all}
+BUDGET=${BUDGET:-560}
+END=$((SECONDS + BUDGET))
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu-run-$PHASE.log") 2>&1
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=$PWD/.flashinfer HF_HUB_OFFLINE=1
 export PYTHONPATH=/tmp/site:$PWD
-step() { echo; echo "=== $1 ($(date +%T))"; }
+step() { echo; echo "=== $1 ($(date +%T), $((END - SECONDS)) s of the budget left)"; }
+# seconds a step may run: at most WANT, leaving RESERVE for the steps after it; never 0
+# (`timeout 0` would mean no limit at all)
+allow() {
+  local left=$((END - SECONDS - ${2:-0}))
+  [ "$left" -lt 1 ] && left=1
+  [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
+}
 
 if [ ! -f /tmp/site/.installed ]; then
   step "install"
@@ -56,28 +71,45 @@ for shape in smollm2-135m llama-1b; do
   [ -f /tmp/$shape/config.json ] || python3 -m workloads.checkpoints.random_model build .gpu/front /tmp/$shape --shape $shape
 done
 
+# Reserves (seconds) kept for what follows a step in `all`: the bench, then the host tests.
+BENCH_RESERVE=${BENCH_RESERVE:-300}
+HOST_RESERVE=${HOST_RESERVE:-60}
 if [ "$PHASE" = tests ] || [ "$PHASE" = all ]; then
   step "cuda tests (random-weight SmolLM2 shape: the bundled weights cannot travel)"
-  RADIXKV_GPU_MODEL=/tmp/smollm2-135m timeout 330 python3 -m pytest -q -p no:cacheprovider \
-    -m cuda tests/engine/test_cuda_flashinfer.py tests/engine/test_cuda_engine.py 2>&1 | tee "$OUT/pytest-cuda.txt"
-  step "host CPU: our kernels' invariance, portability and hardening"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_products.py \
-    tests/engine/test_native_attention.py tests/engine/test_kernel_portability.py \
-    $(ls tests/engine/test_native_fuzz.py 2>/dev/null) \
-    2>&1 | tail -8 | tee "$OUT/pytest-host-cpu.txt"
-  {
-    echo "## Tests"
-    echo
-    echo "CUDA (\`-m cuda\`, random-weight SmolLM2 shape): \`$(tail -1 "$OUT/pytest-cuda.txt")\`"
-    echo
-    echo "Host CPU kernels: \`$(tail -1 "$OUT/pytest-host-cpu.txt")\`"
-    echo
-  } >> "$RECORD"
+  reserve=0; [ "$PHASE" = all ] && reserve=$((BENCH_RESERVE + HOST_RESERVE))
+  # -v: each test's verdict is printed as it ends, so a run cut by the budget still counts
+  RADIXKV_GPU_MODEL=/tmp/smollm2-135m timeout "$(allow 330 $reserve)" python3 -m pytest -v \
+    -p no:cacheprovider -m cuda tests/engine/test_cuda_flashinfer.py tests/engine/test_cuda_engine.py \
+    2>&1 | tee "$OUT/pytest-cuda.txt"
+  code=${PIPESTATUS[0]}
+  summary=$(tail -1 "$OUT/pytest-cuda.txt")
+  [ "$code" = 124 ] && summary="cut by the budget after $(grep -c ' PASSED' "$OUT/pytest-cuda.txt") passed, $(grep -c -E ' (FAILED|ERROR)' "$OUT/pytest-cuda.txt") failed"
+  { echo "## Tests"; echo
+    echo "CUDA (\`-m cuda\`, random-weight SmolLM2 shape): \`$summary\`"
+    grep -E ' (FAILED|ERROR)' "$OUT/pytest-cuda.txt" | grep '::' | sed 's/^/- /' | head -20
+    echo; } >> "$RECORD"
 fi
 if [ "$PHASE" = bench ] || [ "$PHASE" = all ]; then
   step "benchmarks"
-  timeout 500 python3 -m workloads.model_bench.gpu --model /tmp/llama-1b \
+  reserve=0; [ "$PHASE" = all ] && reserve=$HOST_RESERVE
+  timeout "$(allow 500 $reserve)" python3 -m workloads.model_bench.gpu --model /tmp/llama-1b \
     --exactness-model /tmp/smollm2-135m ${BENCH_SKIP:+--skip $BENCH_SKIP} 2>&1 | tee "$OUT/gpu-bench.md"
-  { echo "## Benchmarks (workloads.model_bench.gpu)"; echo; cat "$OUT/gpu-bench.md"; echo; } >> "$RECORD"
+  code=${PIPESTATUS[0]}
+  { echo "## Benchmarks (workloads.model_bench.gpu)"; echo; cat "$OUT/gpu-bench.md"; echo
+    [ "$code" = 124 ] && echo "(cut by the call's time budget: the sections after the last table did not run)"
+    echo; } >> "$RECORD"
+fi
+if [ "$PHASE" = tests ] || [ "$PHASE" = all ]; then
+  step "host CPU: our kernels' invariance, portability and hardening"
+  limit=$(allow 150)
+  if [ "$limit" -ge 10 ]; then
+    timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/engine/test_products.py \
+      tests/engine/test_native_attention.py tests/engine/test_kernel_portability.py \
+      $(ls tests/engine/test_native_fuzz.py 2>/dev/null) \
+      2>&1 | tail -8 | tee "$OUT/pytest-host-cpu.txt"
+  else
+    echo "skipped: the budget is spent" | tee "$OUT/pytest-host-cpu.txt"
+  fi
+  { echo "Host CPU kernels: \`$(tail -1 "$OUT/pytest-host-cpu.txt")\`"; echo; } >> "$RECORD"
 fi
 step "done"

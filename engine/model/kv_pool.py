@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.model.device_copy import on_device
+
 
 class KVPool:
     """K and V per layer as ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD layout).
@@ -112,8 +114,8 @@ class KVPool:
         """Every layer's K/V at slots ``src`` copied to slots ``dst`` (same length)."""
         if not src:
             return
-        s = torch.tensor(src, dtype=torch.int64, device=self.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        s = on_device(src, torch.int64, self.device)
+        d = on_device(dst, torch.int64, self.device)
         for layer in range(self.num_layers):
             for flat in (self.k_flat(layer), self.v_flat(layer)):
                 flat.index_copy_(0, d, flat.index_select(0, s))

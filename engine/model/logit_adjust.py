@@ -12,10 +12,12 @@ the output's tokens (vLLM's definitions).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
+from engine.model.device_copy import on_device
 from scheduler.params import SamplingParams
 
 
@@ -41,8 +43,8 @@ def adjust_logits(
     flat = out.view(-1)
     biased = [(i, t, b) for i in rows for t, b in params[i].logit_bias.items()]
     if biased:
-        where = torch.tensor([i * vocab + t for i, t, _ in biased], dtype=torch.int64, device=dev)
-        bias = torch.tensor([b for _, _, b in biased], dtype=torch.float32, device=dev)
+        where = on_device([i * vocab + t for i, t, _ in biased], torch.int64, dev)
+        bias = on_device([b for _, _, b in biased], torch.float32, dev)
         flat.index_add_(0, where, bias)  # one add per (row, token): the keys are unique
     counted = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
     repeated = [i for i in rows if params[i].penalises_prompt]
@@ -63,20 +65,20 @@ def adjust_logits(
 def _unique_pairs(
     tokens: Sequence[tuple[int, Sequence[int]]], vocab: int, dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct flat indices ``row * vocab + token`` of each row's tokens, and how often
-    each occurs."""
-    flat = [row * vocab + t for row, seq in tokens for t in seq]
-    pairs = torch.tensor(flat, dtype=torch.int64, device=dev)
-    return torch.unique(pairs, return_counts=True)
+    """The distinct flat indices ``row * vocab + token`` of each row's tokens (ascending), and
+    how often each occurs: counted on the host (``torch.unique`` on a GPU waits for the device
+    to learn its output's size)."""
+    counts = Counter(row * vocab + t for row, seq in tokens for t in seq)
+    pairs = sorted(counts)
+    return (on_device(pairs, torch.int64, dev),
+            on_device([counts[p] for p in pairs], torch.int64, dev))
 
 
 def _per_pair(
     pairs: torch.Tensor, vocab: int, by_row: dict[int, float], dev: torch.device
 ) -> torch.Tensor:
     """Each pair's coefficient: its row's value."""
-    rows = sorted(by_row)
-    table = torch.zeros(max(rows) + 1, dtype=torch.float32, device=dev)
-    table[torch.tensor(rows, device=dev)] = torch.tensor(
-        [by_row[r] for r in rows], dtype=torch.float32, device=dev
-    )
-    return table[pairs // vocab]
+    table = [0.0] * (max(by_row) + 1)
+    for row, value in by_row.items():
+        table[row] = value
+    return on_device(table, torch.float32, dev)[pairs // vocab]

@@ -18,6 +18,7 @@ from engine.model.cpu.threads import ThreadPolicy
 from engine.model.cuda.flashinfer_backend import FlashInferBackend
 from engine.model.cuda.graphs import DecodeGraphs
 from engine.model.cuda.step_buffers import StepBuffers
+from engine.model.device_copy import on_device
 from engine.model.forward_batch import ForwardBatch, StepIndex
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
@@ -287,7 +288,7 @@ class ModelRunner:
             for start in range(span.start, span.stop, _SCORE_ROWS):
                 stop = min(start + _SCORE_ROWS, span.stop)
                 rows = logits[row : row + stop - start]
-                targets = torch.tensor(prompt[start + 1 : stop + 1], device=logits.device)
+                targets = on_device(prompt[start + 1 : stop + 1], torch.int64, logits.device)
                 found.extend(token_logprobs(rows, targets, [count] * (stop - start)))
                 row += stop - start
             scores.append(found)
@@ -336,5 +337,5 @@ def _hold_stops(
     for j in early:
         banned = sorted(requests[j].stop_tokens())
         if banned:
-            allowed[j, banned] = float("-inf")
+            allowed[j, on_device(banned, torch.int64, allowed.device)] = float("-inf")
     return allowed

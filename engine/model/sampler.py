@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.api.outputs import TokenLogprob
+from engine.model.device_copy import on_device
 from engine.model.logit_adjust import adjust_logits
 from scheduler.params import GREEDY_BELOW, SamplingParams
 
@@ -84,7 +85,7 @@ def sampled_with_logprobs(
     n, k = len(rows), max(counts, default=0)
     if n == 0:
         return tokens.tolist(), []
-    picked_rows = _on_device(list(rows), logits.device)
+    picked_rows = on_device(list(rows), torch.int64, logits.device)
     logp = logits[picked_rows].float().log_softmax(dim=-1)
     chosen = tokens[picked_rows]
     picked = logp.gather(1, chosen.view(-1, 1))
@@ -105,16 +106,6 @@ def sampled_with_logprobs(
         ]
         out.append(TokenLogprob(sampled[row], lps[i], alternatives, int(rank[i])))
     return sampled, out
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` (int64) on ``device`` without waiting for it: from pinned memory on CUDA
-    (``torch.tensor(values, device=cuda)`` copies synchronously, waiting for the whole pass
-    before the step's one read-back would)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -1,0 +1,24 @@
+"""Small host lists onto the model's device without waiting for it.
+
+``torch.tensor(values, device=cuda)`` copies from pageable memory, synchronously: in a step's
+sampling path it makes the host wait for the whole pass before it can queue the rest, a second
+wait beside the step's one read-back. From pinned memory with ``non_blocking`` the copy is
+queued behind the pass and the host goes on (torch's caching host allocator keeps the pinned
+block until the copy has read it). Elsewhere it is a plain tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def on_device(
+    values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``values`` as a 1-d ``dtype`` tensor on ``device``, queued rather than waited for."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -127,6 +127,8 @@ def test_a_graph_decode_equals_the_eager_pass_bit_for_bit(
     want = eager.forward(batch)
     got = graphs.forward(batch)
     assert graphs.graphs.replays == replays + 1  # it ran in a graph, padded to a bucket
+    # not retired: a bucket whose first replay differed would have handed back eager logits
+    assert not graphs.graphs.retired
     assert torch.equal(got, want)
     # the new tokens' K/V landed in the same slots
     slots = [e.slots[0] for e in batch.entries]

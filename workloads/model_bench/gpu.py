@@ -246,7 +246,8 @@ def verify_rows(loaded: Any, sizes: Sizes) -> list[list[object]]:
                     batch = verify_batch(b, ctx, k, ps)
                     replays = runner.graphs.replays if runner.graphs is not None else 0
                     seconds = time_of(partial(runner.step, batch))
-                    ran = runner.graphs is not None and runner.graphs.replays > replays
+                    ran = (runner.graphs is not None and runner.graphs.replays > replays
+                           and not runner.graphs.retired)
                     label = f"verify, {mode}, deterministic" + (
                         " (ran eager)" if graphs and not ran else "")
                     rows.append([label, b, ctx, k, f"{decode * 1e3:.2f}", f"{seconds * 1e3:.2f}",
@@ -278,6 +279,8 @@ def model_rows(loaded: Any, bandwidth: float, peak: float, sizes: Sizes) -> list
                     label += " (capture failed: ran eager)"
                 batch = decode_batch([ctx] * b, ps)
                 step = time_of(partial(runner.step, batch))
+                if graphs and runner.graphs is not None and runner.graphs.retired:
+                    label += " (retired, differed from eager: ran eager)"
             except Exception as exc:  # one failed mode must not cost the others their rows
                 rows.append([label, b, ctx, f"failed: {exc!r}"[:120], "", "", ""])
                 continue
@@ -429,6 +432,7 @@ def exactness_rows(loaded: Any, sizes: Sizes) -> list[list[object]]:
         ("batch_invariant=False", {"batch_invariant": False}),
     ):
         answers = {}
+        state: dict[str, str] = {}
         verified = None
         for name, cache, together, chunk in (
             ("cache on, batched", True, True, None),
@@ -448,12 +452,20 @@ def exactness_rows(loaded: Any, sizes: Sizes) -> list[list[object]]:
                 else:
                     outs = [engine.generate([p], params)[0] for p in prompts]
                 answers[name] = [o.token_ids for o in outs]
+                graphs = engine._loop._runner.graphs  # the engine's own runner
+                if graphs is None:
+                    state[name] = "off"
+                else:
+                    retired = ", ".join(f"{b}x{r}" for b, r in sorted(graphs.retired))
+                    state[name] = f"{graphs.replays} replays" + (
+                        f", retired {retired}" if retired else "")
         base = answers["cache off, alone"]
         for name in answers:
             if name == "cache off, alone":
                 continue
             same = sum(a == b for a, b in zip(answers[name], base))
-            rows.append([f"{label} (verified invariant: {verified})", f"{name} vs alone",
+            rows.append([f"{label} (verified invariant: {verified}; graphs: {state[name]})",
+                         f"{name} vs alone",
                          f"{same}/{len(prompts)}"])
         rows.append([label, f"logits alone vs in a batch of {len(prompts)}",
                      logits_identical(loaded, prompts, not knobs)])

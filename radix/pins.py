@@ -53,8 +53,7 @@ class PinTable:
         self.pins[pin.id] = pin
         self._known = False
         while self.pins and self.pinned_pages() > self.max_pages:
-            self._release(next(iter(self.pins.values())))
-            self.released += 1
+            self.release_oldest()
         return pin
 
     def drop(self, pin: Pin) -> None:
@@ -63,7 +62,11 @@ class PinTable:
             self._release(pin)
 
     def expire(self, now: float) -> list[Pin]:
-        """Release every pin whose lifetime ended by ``now``."""
+        """Release every pin whose lifetime ended by ``now`` (called every step: nothing to
+        walk before the first lifetime ends)."""
+        first = self.next_expiry()
+        if first is None or first > now:
+            return []
         ended = [pin for pin in self.pins.values() if pin.expires <= now]
         for pin in ended:
             self._release(pin)

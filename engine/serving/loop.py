@@ -336,12 +336,7 @@ class EngineLoop:
             order.answer.set_result(pin)
 
     def _expire_pins(self) -> int:
-        kv = self._scheduler.kv
-        expiry = kv.next_pin_expiry()
-        if expiry is None:
-            return 0
-        now = time.monotonic()
-        return kv.expire_pins(now) if expiry <= now else 0
+        return self._scheduler.kv.expire_pins(time.monotonic())
 
     def _on_nothing_scheduled(self) -> None:
         if self._scheduler.num_running == 0:

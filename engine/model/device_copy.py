@@ -18,7 +18,13 @@ def on_device(
     values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """``values`` as a 1-d ``dtype`` tensor on ``device``, queued rather than waited for."""
-    host = torch.tensor(values, dtype=dtype)
+    return queued(torch.tensor(values, dtype=dtype), device)[1]
+
+
+def queued(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``host`` (pinned, on CUDA) and its copy on ``device``, queued rather than waited for;
+    on a CPU both are ``host``."""
     if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+        return host, host
+    host = host.pin_memory()
+    return host, host.to(device, non_blocking=True)

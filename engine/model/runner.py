@@ -181,8 +181,10 @@ class ModelRunner:
             self._check(batch, ForwardBatch.from_index(index))
         if self.threads is not None:
             self.threads.apply(len(index.input_ids))
-        if self.graphs is not None and self.graphs.takes(index):
-            return self.graphs.run(index)
+        if self.graphs is not None:
+            shape = self.graphs.shape_for(index)
+            if shape is not None:
+                return self.graphs.run(index, shape)
         return self._eager(index)
 
     def _check(self, batch: Batch, fb: ForwardBatch) -> None:

@@ -32,7 +32,7 @@ def _decode_index(lengths: list[int]) -> StepIndex:
     return StepIndex.of(Batch(entries, PS))
 
 
-def _fixed_buffers(size: int) -> StepBuffers:
+def _fixed_buffers() -> StepBuffers:
     return StepBuffers("cpu", {name: 256 for name, _ in INDEX_FIELDS} | {"kv_indices": 1024})
 
 
@@ -44,7 +44,7 @@ def test_a_graph_twin_plans_the_wrapper_it_captured_whatever_the_pass() -> None:
         backend = FlashInferBackend(HQ, HKV, D, CPU, reference_ops(), torch.float32,
                                     deterministic=deterministic)
         twin = backend.graph_twin(4, 64)
-        buffers = _fixed_buffers(4)
+        buffers = _fixed_buffers()
         capture = pad_index(_empty_index(PS), 4, scratch_page=90)
         full = pad_index(_decode_index([3, 20, 17, 40]), 4, scratch_page=90)
         part = pad_index(_decode_index([3, 20]), 4, scratch_page=90)

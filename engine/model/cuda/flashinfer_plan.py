@@ -26,6 +26,7 @@ import torch
 
 from engine.model.attention.cascade import shared_runs
 from engine.model.cuda.cascade_rule import SharedRun
+from engine.model.device_copy import queued
 from engine.model.forward_batch import ForwardBatch, HostTables
 
 # Whether attending these shared runs once (with this many levels) is worth it.
@@ -209,10 +210,5 @@ def _tensors(
     CUDA: asynchronous, where ``torch.tensor(..., device=cuda)`` waits for the stream), and
     the same tensors on the host."""
     sizes = [len(g) for g in groups]
-    host = torch.tensor([v for g in groups for v in g], dtype=dtype)
-    if dev.type == "cuda":
-        host = host.pin_memory()
-        moved = host.to(dev, non_blocking=True)
-    else:
-        moved = host
+    host, moved = queued(torch.tensor([v for g in groups for v in g], dtype=dtype), dev)
     return list(moved.split(sizes)), list(host.split(sizes))

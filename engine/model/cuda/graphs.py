@@ -16,8 +16,8 @@ the graph captured for the smallest bucket ``B >= n`` (1, 2, 4, 8, then every 8 
 - a verify pass (speculation: an entry's last token and its draft, every row sampled) runs as
   the graph of ``B`` entries and ``T`` rows: ``B`` the smallest bucket above its entries (one
   padding entry at least), ``T`` the smallest of ``2B, 4B, 8B, 16B`` (each at most
-  ``max_rows``) that holds its rows and a row per padding entry; the last padding entry takes the spare
-  rows, all on the scratch page. These graphs are captured on first use;
+  ``max_rows``) that holds its rows and a row per padding entry; the last padding entry
+  takes the spare rows, all on the scratch page. These graphs are captured on first use;
 - every bucket's first replay is compared with the eager pass bit for bit (the padding changes
   the pass FlashInfer plans, and a row must not depend on it): a bucket that differs is
   retired with a warning and its passes run eagerly from then on;
@@ -162,9 +162,7 @@ class DecodeGraphs:
         self.max_rows = max(max_rows, max_batch)
         self.capture = capture
         self.max_pages_per_entry = max_pages_per_entry
-        # Real pages, plus the scratch page once per padding entry and per page of spare rows.
-        ps = pool.page_size
-        self.max_pages = max_batch * max_pages_per_entry + max_batch + -(-self.max_rows // ps)
+        self.max_pages = self._pages(max_batch, self.max_rows)
         rows, entries = self.max_rows, max_batch
         capacity = {
             "input_ids": rows, "positions": rows, "slots": rows, "logits_indices": rows,
@@ -188,7 +186,8 @@ class DecodeGraphs:
     def shape_for(self, index: StepIndex) -> tuple[int, int] | None:
         """The graph (entries, rows) that holds ``index``, or None: it runs eagerly."""
         n, r = len(index.qo_lens), len(index.input_ids)
-        if index.num_scored or index.logits_indices != list(range(r)):
+        # logits rows ascend within and across entries: r of them are every row
+        if index.num_scored or len(index.logits_indices) != r:
             return None  # a prefill chunk's rows, or prompt rows scored
         if r == n:
             size = self.bucket_for(n)
@@ -205,22 +204,16 @@ class DecodeGraphs:
         if shape is None or shape in self.retired:
             return None
         size, rows = shape
-        spare_pages = (size - n - 1) + -(-(rows - r - (size - n - 1)) // self.pool.page_size)
-        if len(index.kv_indices) + spare_pages > self.max_pages:
+        pad = size - n
+        spare_pages = pad - 1 + -(-(rows - r - (pad - 1)) // self.pool.page_size) if pad else 0
+        if len(index.kv_indices) + spare_pages > self._pages(size, rows):
             return None
         return shape
 
-    def takes(self, index: StepIndex) -> bool:
-        """Whether this pass runs in a graph: every row sampled (one per entry, or an entry's
-        last token and its draft), no prompt scoring, within the buckets and the capacity."""
-        return self.shape_for(index) is not None
-
-    def run(self, index: StepIndex) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of the pass ``index`` (``takes(index)`` must hold): a view
-        of the graph's output, valid until the next replay (or the eager pass's logits, the
-        one time a bucket's first replay differs from them)."""
-        shape = self.shape_for(index)
-        assert shape is not None
+    def run(self, index: StepIndex, shape: tuple[int, int]) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of the pass ``index`` in the graph ``shape_for(index)``
+        gave: a view of the graph's output, valid until the next replay (or the eager pass's
+        logits, the one time a bucket's first replay differs from them)."""
         bucket = self._buckets.get(shape)
         if bucket is None:
             bucket = self._buckets[shape] = self._build(*shape)
@@ -254,14 +247,18 @@ class DecodeGraphs:
     def _build(self, size: int, rows: int) -> _Bucket:
         """A bucket's backend, its all-padding pass (of ``rows`` rows: FlashInfer's graph
         wrapper keeps the first plan's row count as its most) and, on CUDA, its graph."""
-        backend = self.make_backend(size, size * self.max_pages_per_entry + size
-                                    + -(-rows // self.pool.page_size))
+        backend = self.make_backend(size, self._pages(size, rows))
         empty = _empty_index(self.pool.page_size)
         fb = self._static_batch(pad_index(empty, size, self.scratch_page, rows))
         bucket = _Bucket(size, rows, backend, fb)
         if self.capture:
             self._capture(bucket)
         return bucket
+
+    def _pages(self, size: int, rows: int) -> int:
+        """Page-table room of the graph (``size`` entries, ``rows`` rows): its entries' pages,
+        plus the scratch page once per padding entry and per page of spare rows."""
+        return size * self.max_pages_per_entry + size + -(-rows // self.pool.page_size)
 
     def _static_batch(self, index: StepIndex) -> ForwardBatch:
         """``index`` packed into the fixed buffers: its tensors are views at the same addresses

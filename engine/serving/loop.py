@@ -153,11 +153,7 @@ class EngineLoop:
     def abort(self, request_id: Any) -> None:
         """Aborts a request wherever it is; its caller gets finish_reason "abort". No-op when
         the request is already finished or the loop has stopped."""
-        with self._lock:
-            if self._dead is not None or self._closing:
-                return
-            self._inbox.append(("abort", request_id))
-            self._wake.notify()
+        self._command("abort", request_id, quiet=True)
 
     def pin(self, order: PinOrder) -> None:
         """Queues a pin; its answer comes on ``order.answer`` (EngineDeadError if the loop
@@ -166,24 +162,21 @@ class EngineLoop:
 
     def unpin(self, pin: Pin) -> None:
         """Ends ``pin`` on the loop's thread (no-op once the loop has stopped)."""
-        with self._lock:
-            if self._dead is not None or self._closing:
-                return
-            self._inbox.append(("unpin", pin))
-            self._wake.notify()
-
-    def _command(self, kind: str, payload: Any) -> None:
-        with self._lock:
-            self._raise_if_stopped()
-            self._inbox.append((kind, payload))
-            self._wake.notify()
+        self._command("unpin", pin, quiet=True)
 
     def inspect(self, order: InspectOrder) -> None:
         """Queues a snapshot for the inspector; the loop answers on ``order.answer`` between
         passes (the caller waits on it with a timeout)."""
+        self._command("inspect", order)
+
+    def _command(self, kind: str, payload: Any, quiet: bool = False) -> None:
+        """Queues a command for the loop's thread; once the loop has stopped, EngineDeadError
+        (``quiet``: nothing, for commands that only end something)."""
         with self._lock:
+            if quiet and (self._dead is not None or self._closing):
+                return
             self._raise_if_stopped()
-            self._inbox.append(("inspect", order))
+            self._inbox.append((kind, payload))
             self._wake.notify()
 
     def stats(self) -> EngineStats:
@@ -277,11 +270,10 @@ class EngineLoop:
                 continue
             idle_checked = False
             batch = self._scheduler.schedule()
-            if batch is not None:
-                self._inspection.admitted(batch)
             if batch is None:
                 self._on_nothing_scheduled()
             else:
+                self._inspection.admitted(batch)
                 self._step(batch)
             self._publish()
 

@@ -73,8 +73,8 @@ def verify_on_device(runner: ModelRunner) -> bool:
         graphs, runner.graphs = runner.graphs, None
         eager = check_runner(runner)
         if eager is not None and eager.invariant:
+            del graphs  # the last reference: drop_graphs then releases their memory
             runner.drop_graphs()
-            del graphs
             message = (
                 f"cuda_graphs: decode graphs on {device} differ from eager passes "
                 f"({', '.join(report.failed)}); they are off, decode steps run eagerly "

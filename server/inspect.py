@@ -30,7 +30,7 @@ from starlette.responses import Response
 
 from server.checks import check_auth
 from server.errors import APIError, engine_dead, invalid, not_found
-from server.inspect_view import build_state, label_sources
+from server.inspect_view import build_state, label_sources, summed
 from server.state import ServerState
 
 DEFAULT_BUDGET = 400
@@ -123,18 +123,13 @@ async def _state(
 ) -> Response:
     stats = [s.stats for s in snapshots.values()]
     if stats:
-        state.traffic.sample(_summed(stats))
+        state.traffic.sample(summed(stats))
     runs = label_sources(snapshots, salts)
     labels = await state.on_tokenizer(state.engine.tokenizer.batch_decode, runs) if runs else []
     body = build_state(snapshots, salts, labels, state.traffic.series())
     body["budget"] = budget
     return Response(msgspec.json.encode(body), media_type="application/json",
                     headers={"Cache-Control": "no-store"})
-
-
-def _summed(stats: list[Any]) -> Any:
-    """One EngineStats for the traffic samples (the replicas' added up)."""
-    return stats[0] if len(stats) == 1 else type(stats[0]).total(stats)
 
 
 def _budget(raw: str | None) -> int:

@@ -156,7 +156,7 @@ def _counters(stats: Any) -> dict[str, Any]:
         "requests": c.requests,
         "prompt_tokens": c.prompt_tokens,
         "cached_tokens": c.cached_tokens,
-        "pool_tokens": c.cached_tokens - c.cached_tokens_host - c.cached_tokens_disk,
+        "pool_tokens": c.cached_tokens_pool,
         "host_tokens": c.cached_tokens_host,
         "disk_tokens": c.cached_tokens_disk,
         "computed_tokens": c.prompt_tokens - c.cached_tokens,
@@ -167,15 +167,14 @@ def _counters(stats: Any) -> dict[str, Any]:
     }
 
 
+def summed(stats: list[Any]) -> Any:
+    """One EngineStats for several (the replicas' added up: ``EngineStats.total``)."""
+    return stats[0] if len(stats) == 1 else type(stats[0]).total(stats)
+
+
 def _totals(stats: list[Any]) -> dict[str, Any]:
     """The replicas' counters added up, the hit rate from the sums."""
-    rows = [_counters(s) for s in stats]
-    totals: dict[str, Any] = {
-        key: sum(row[key] for row in rows) for key in (rows[0] if rows else {}) if key != "hit_rate"
-    }
-    prompt = totals.get("prompt_tokens", 0)
-    totals["hit_rate"] = totals.get("cached_tokens", 0) / prompt if prompt else 0.0
-    return totals
+    return _counters(summed(stats)) if stats else {"hit_rate": 0.0}
 
 
 def _top_prefixes(replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -79,21 +79,17 @@ class ResponseStore:
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(StoredResponse)
 
-    def room_for(self, size: int = 0) -> bool:
-        """Whether one more response of ``size`` bytes fits."""
+    def room_for(self) -> bool:
+        """Whether one more response fits (one of 0 bytes: ``put`` checks its size)."""
         with self._lock:
-            count, total = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses"
-            ).fetchone()
-        return count < self.max_responses and total + size <= self.max_bytes
+            count, total = self._usage()
+        return count < self.max_responses and total <= self.max_bytes
 
     def put(self, response: StoredResponse) -> None:
         """Store ``response`` (a new id); StoreFullError past the limits."""
         record = self._encoder.encode(response)
         with self._lock:
-            count, total = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses"
-            ).fetchone()
+            count, total = self._usage()
             if count >= self.max_responses or total + len(record) > self.max_bytes:
                 raise StoreFullError(
                     f"the response store is full ({count} responses, {total} of "
@@ -124,7 +120,14 @@ class ResponseStore:
 
     def __len__(self) -> int:
         with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+            return int(self._usage()[0])
+
+    def _usage(self) -> tuple[int, int]:
+        """How many responses are stored and their bytes (the caller holds the lock)."""
+        count, total = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses"
+        ).fetchone()
+        return count, total
 
     def close(self) -> None:
         with self._lock, contextlib.suppress(sqlite3.Error):

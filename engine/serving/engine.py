@@ -492,6 +492,3 @@ class Engine:
         )
         self._loop.submit(Job(request, detokenizer, sink, stream, pin_ttl=pin_ttl))
         return handle
-
-
-

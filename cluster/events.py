@@ -32,8 +32,6 @@ import msgspec
 from radix import KVEvent, KVManager, PagesEvicted, PagesStored
 from radix.tiers import Tier, TierChanged
 
-SCHEMA = 2
-
 
 class PageTier(IntEnum):
     """Where a replica holds a page, cheapest to use first."""
@@ -94,6 +92,19 @@ def tiers_of(record: KVEventBatch | KVSnapshot) -> dict[int, PageTier]:
     below = dict.fromkeys(record.host, PageTier.HOST)
     below.update(dict.fromkeys(record.disk, PageTier.DISK))
     return below
+
+
+def kv_places(kv: KVManager) -> dict[int, PageTier]:
+    """What ``kv`` holds, each page at its best place, read from the tree and the stores (a
+    walk of them all: the truth a publisher's events converge to, for checks)."""
+    truth: dict[int, PageTier] = {}
+    tiers = kv.tiers
+    if tiers is not None:
+        for store, tier in ((tiers.disk, PageTier.DISK), (tiers.host, PageTier.HOST)):
+            if store is not None:
+                truth.update(dict.fromkeys(store.keys(), tier))
+    truth.update((page.key, PageTier.DEVICE) for page in kv.tree.walk_pages())
+    return truth
 
 
 class KVEventPublisher:

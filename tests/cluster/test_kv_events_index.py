@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cluster import KVEventBatch, KVEventPublisher, KVIndex, KVSnapshot, PageTier
+from cluster.events import kv_places
 from cluster.hub import EventHub
 from radix import KVManager, page_hashes
 from radix.tiers import DiskStore, HostStore, KVTiers, PageRecord
@@ -59,18 +60,6 @@ def run_request(kv: KVManager, tokens: list[int], namespace: str | None = None) 
 
 def tree_hashes(kv: KVManager) -> set[int]:
     return {page.key for page in kv.tree.walk_pages()}
-
-
-def places(kv: KVManager) -> dict[int, PageTier]:
-    """What the replica holds, each page at its best place: the truth the index must reach."""
-    truth: dict[int, PageTier] = {}
-    tiers = kv.tiers
-    if tiers is not None:
-        for store, tier in ((tiers.disk, PageTier.DISK), (tiers.host, PageTier.HOST)):
-            if store is not None:
-                truth.update(dict.fromkeys(store.keys(), tier))
-    truth.update(dict.fromkeys(tree_hashes(kv), PageTier.DEVICE))
-    return truth
 
 
 def indexed(index: KVIndex, replica: str) -> dict[int, PageTier]:
@@ -216,8 +205,8 @@ def test_a_page_moves_down_the_tiers_back_to_the_device_and_is_removed_off_the_l
     for stem in (5, 6, 7):  # others push them down and then off the last tier
         run_request(kv, [stem] * 8 + [0])
         follow(index, publisher)
-    assert first not in places(kv) and first not in index.view("r0").hashes
-    assert indexed(index, "r0") == places(kv)
+    assert first not in kv_places(kv) and first not in index.view("r0").hashes
+    assert indexed(index, "r0") == kv_places(kv)
     index.check()
     kv.tiers.close()
 
@@ -342,7 +331,7 @@ class PublishedIndexMachine(RuleBasedStateMachine):
     @invariant()
     def the_publisher_knows_where_every_page_is_now(self) -> None:
         for name, kv in self.kvs.items():
-            truth = places(kv)
+            truth = kv_places(kv)
             publisher = self.publishers[name]
             assert publisher.num_hashes == len(truth)
             assert all(publisher.where(h) is tier for h, tier in truth.items()), name
@@ -354,7 +343,7 @@ class PublishedIndexMachine(RuleBasedStateMachine):
             view = self.index.view(name)
             if not applied and (view is None or view.stale or view.seq != publisher.seq):
                 self.index.resync(publisher.snapshot())  # a lost last batch shows as a seq lag
-            assert indexed(self.index, name) == places(self.kvs[name]), name
+            assert indexed(self.index, name) == kv_places(self.kvs[name]), name
         tiers = self.kvs["a"].tiers
         assert tiers is not None
         tiers.close()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from cluster import CacheAware, KVEventPublisher, KVIndex, PageTier, RouteRequest
+from cluster.events import kv_places
 from engine import Engine, SamplingParams
 
 POOL_PAGES = 20  # 320 tokens: about one of the documents below
@@ -26,10 +27,7 @@ def greedy() -> SamplingParams:
 def places(eng: Engine) -> dict[int, PageTier]:
     """What the engine holds, each page at its best place (read at idle)."""
     assert eng.wait_idle(timeout=60)
-    kv = eng._loop._scheduler.kv
-    truth = dict.fromkeys(kv.tiers.host.keys(), PageTier.HOST)
-    truth.update(dict.fromkeys((page.key for page in kv.tree.walk_pages()), PageTier.DEVICE))
-    return truth
+    return kv_places(eng._loop._scheduler.kv)
 
 
 @pytest.fixture

@@ -32,12 +32,12 @@ from cluster import (
     KVEventPublisher,
     KVIndex,
     LeastLoaded,
-    PageTier,
     RoundRobin,
     RouteRequest,
     RoutingPolicy,
     TextPrefixAffinity,
 )
+from cluster.events import kv_places
 from cluster.policy import DEFAULT_TIER_COST
 from radix import KVManager, page_hashes
 from scheduler import Scheduler, SchedulerConfig
@@ -266,13 +266,7 @@ def held_run(publisher: KVEventPublisher, chain: Sequence[int]) -> int:
 def check_accounted(index: KVIndex, name: str, kv: KVManager) -> None:
     """Every page of the replica, in the pool, host memory or on disk, is in the index at its
     best place, and nothing else is (AssertionError)."""
-    truth: dict[int, PageTier] = {}
-    tiers = kv.tiers
-    if tiers is not None:
-        for store, tier in ((tiers.disk, PageTier.DISK), (tiers.host, PageTier.HOST)):
-            if store is not None:
-                truth.update(dict.fromkeys(store.keys(), tier))
-    truth.update((page.key, PageTier.DEVICE) for page in kv.tree.walk_pages())
+    truth = kv_places(kv)
     view = index.view(name)
     assert view is not None and not view.stale, f"{name}: not followed"
     assert view.hashes == truth.keys(), f"{name}: index and replica hold different pages"

@@ -95,6 +95,13 @@ class LeastLoaded:
         return least_loaded(list(loads), loads, self._rng)
 
 
+def reusable_chain(tokens: Sequence[int], page_size: int, namespace: str | None) -> list[int]:
+    """The page-hash chain of the whole pages of ``tokens`` a replica could reuse: never the
+    last token (its logits are needed)."""
+    usable = max(0, len(tokens) - 1)
+    return page_hashes(tokens[: usable - usable % page_size], page_size, namespace)
+
+
 HOT_MIN_REQUESTS = 3  # a prefix seen fewer times lately is never copied (its share is noise)
 DEFAULT_TIER_COST = TierCost()
 
@@ -152,11 +159,7 @@ class CacheAware:
 
     def hashes(self, request: RouteRequest) -> list[int]:
         """The chain of the whole pages the replica could reuse (never the last token)."""
-        tokens = request.token_ids
-        usable = max(0, len(tokens) - 1)
-        return page_hashes(
-            tokens[: usable - usable % self.page_size], self.page_size, request.namespace
-        )
+        return reusable_chain(request.token_ids, self.page_size, request.namespace)
 
     def prefix_pages(self, hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
         """Leading pages each replica holds (per the index) or was just sent (pending)."""

@@ -38,8 +38,8 @@ from cluster import (
     TextPrefixAffinity,
 )
 from cluster.events import kv_places
-from cluster.policy import DEFAULT_TIER_COST
-from radix import KVManager, page_hashes
+from cluster.policy import DEFAULT_TIER_COST, reusable_chain
+from radix import KVManager
 from scheduler import Scheduler, SchedulerConfig
 from workloads.simulators.loop import run_closed_loop
 from workloads.simulators.stats import TraceStats, trace_stats
@@ -195,8 +195,7 @@ def simulate_cluster(
         nonlocal decisive, accurate
         chosen = router.choose(RouteRequest(prompt, namespace), loads)
         if turn:
-            usable = len(prompt) - 1
-            chain = page_hashes(prompt[: usable - usable % page_size], page_size, namespace)
+            chain = reusable_chain(prompt, page_size, namespace)
             runs = {name: held_run(publishers[name], chain) for name in names}
             if keep is not None:
                 routed.append((chosen, runs))

@@ -7,6 +7,7 @@ import pytest
 
 from radix import KVManager
 from radix.snapshot import snapshot_tree
+from radix.tokens import encode_tokens
 
 PAGE = 4
 
@@ -82,12 +83,14 @@ def test_pinned_and_in_flight_paths_are_marked_apart() -> None:
 def test_a_snapshot_changes_nothing_in_the_tree() -> None:
     kv = KVManager(num_pages=512, page_size=PAGE)
     fan(kv, 30, list(range(1, 9)))
-    before = [(n.last_access, n.in_lru) for n in kv.tree.root().children[
-        b"".join(i.to_bytes(4, "little") for i in range(1, 5))].children.values()]
+
+    def branches() -> list[tuple[int, bool]]:
+        stem = kv.tree.root().children[encode_tokens(range(1, 1 + PAGE))]
+        return [(n.last_access, n.in_lru) for n in stem.children.values()]
+
+    before = branches()
     snapshot_tree(kv, budget=7)
-    after = [(n.last_access, n.in_lru) for n in kv.tree.root().children[
-        b"".join(i.to_bytes(4, "little") for i in range(1, 5))].children.values()]
-    assert before == after
+    assert before == branches()
     kv.check([])
 
 

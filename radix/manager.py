@@ -125,6 +125,8 @@ class KVManager:
         self._prefix_cache = prefix_cache
         self._tiers = tiers
         self._listeners: list[Callable[[KVEvent], None]] = []
+        # Listeners of evictions alone: the cache's stores are not described for them.
+        self._eviction_listeners: list[Callable[[PagesEvicted], None]] = []
         self._evicted = 0
         self._pins = PinTable(self._tree, int(num_pages * max_pinned_fraction))
 
@@ -198,6 +200,11 @@ class KVManager:
         if self._tiers is not None:
             self._tiers.subscribe(listener)
 
+    def subscribe_evictions(self, listener: Callable[[PagesEvicted], None]) -> None:
+        """Call ``listener`` with every PagesEvicted from now on, and nothing else: a listener
+        that needs only evictions costs the cache's stores nothing."""
+        self._eviction_listeners.append(listener)
+
     # ------------------------------------------------------------------ requests' KV
 
     def match(self, tokens: Sequence[int], namespace: str | None = None) -> PrefixMatch:
@@ -222,15 +229,18 @@ class KVManager:
         if short > 0:
             if not evict or short > self._tree.evictable_pages:
                 return False
-            if self._tiers is None and not self._listeners:
+            if self._tiers is None and not self._listeners and not self._eviction_listeners:
                 freed = self._tree.evict(short)
             else:
                 described: list[EvictedPage] = []
                 freed = self._tree.evict(short, described)
                 if self._tiers is not None:
                     self._tiers.write_back(described)  # before any freed id is reused
-                if self._listeners:
-                    self._announce(PagesEvicted(freed, [page.key for page in described]))
+                if self._listeners or self._eviction_listeners:
+                    event = PagesEvicted(freed, [page.key for page in described])
+                    self._announce(event)
+                    for evictions in self._eviction_listeners:
+                        evictions(event)
             allocator.free(freed)
             self._evicted += len(freed)
         pages = allocator.alloc(need)

@@ -5,7 +5,8 @@ this order on the first page that missed:
 
 - ``evicted``: that page's content address (the chain hash the tree gives it) was in the
   pool and was evicted; the tracker remembers the last ``max_hashes`` evicted addresses
-  (forgetting one when it is stored again);
+  (a page is out of the pool only by eviction, so an address stored again needs no
+  forgetting: if it is missed later, it was evicted again);
 - ``other_namespace``: another namespace (another ``cache_salt``) holds more of the prompt;
   the tree never shares across namespaces, by design;
 - ``never_seen``: none of the above;
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 import msgspec
 import xxhash
 
-from radix.manager import KVEvent, KVManager, PagesEvicted, PagesStored
+from radix.manager import KVManager, PagesEvicted
 from radix.node import Node
 from radix.tokens import TOKEN_BYTES, encode_tokens
 
@@ -67,19 +68,15 @@ class MissTracker:
         self._max_namespaces = max_namespaces
         self._head_tokens = head_tokens
         self.recent: deque[RequestMiss] = deque(maxlen=keep)
-        kv.subscribe(self._on_event)
+        kv.subscribe_evictions(self._on_evicted)
 
-    def _on_event(self, event: KVEvent) -> None:
+    def _on_evicted(self, event: PagesEvicted) -> None:
         evicted = self._evicted
-        if isinstance(event, PagesEvicted):
-            for key in event.hashes:
-                evicted[key] = None
-                evicted.move_to_end(key)
-            while len(evicted) > self._max_hashes:
-                evicted.popitem(last=False)
-        elif isinstance(event, PagesStored) and evicted:
-            for key in event.hashes:
-                evicted.pop(key, None)
+        for key in event.hashes:
+            evicted[key] = None
+            evicted.move_to_end(key)
+        while len(evicted) > self._max_hashes:
+            evicted.popitem(last=False)
 
     def admitted(
         self,

@@ -51,6 +51,21 @@ def test_without_prefix_cache_nothing_enters_the_tree() -> None:
     assert kv.stats().cached == 0 and kv.stats().free == 4
 
 
+def test_an_eviction_listener_hears_the_evictions_and_nothing_else() -> None:
+    events: list[KVEvent] = []
+    evictions: list[PagesEvicted] = []
+    kv = KVManager(num_pages=2, page_size=2)
+    kv.subscribe(events.append)
+    kv.subscribe_evictions(evictions.append)
+    old = kv.acquire([1, 2, 3, 4])
+    assert kv.allocate(old, 4)
+    kv.release(old, [1, 2, 3, 4])
+    new = kv.acquire([5, 6])
+    assert kv.allocate(new, 2)
+    assert evictions and evictions == [e for e in events if isinstance(e, PagesEvicted)]
+    kv.release(new)
+
+
 def test_allocate_evicts_unlocked_pages_and_says_so() -> None:
     events: list[KVEvent] = []
     kv = KVManager(num_pages=2, page_size=2)

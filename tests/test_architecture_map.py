@@ -1,49 +1,31 @@
-"""docs/ARCHITECTURE.md's module map moves with the tree: it names every package folder and
-every module of the library, and every folder it names exists (as the README's example is
-kept running by tests/test_readme.py)."""
+"""docs/ARCHITECTURE.md's floors are the layering test's: the design document names each floor
+of the import order (bottom last), in the order tests/test_layering.py enforces, and each
+folder it names exists. The document explains floors, not every module: a module that moves
+inside its floor changes nothing here."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from tests.test_layering import FLOORS
+
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARY = ("radix", "scheduler", "engine", "server", "cluster")
 
 
-def _map() -> str:
+def _floors_block() -> str:
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    section = text[text.index("## Layout and the direction of dependencies") :]
+    section = text[text.index("## Floors") :]
     return section.split("```")[1]
 
 
-def _packages(top: str) -> list[Path]:
-    return sorted(p.parent for p in (ROOT / top).rglob("__init__.py"))
+def _named_floors() -> list[str]:
+    return re.findall(r"^([a-z_]+(?:/[a-z_]+)*)/", _floors_block(), flags=re.M)
 
 
-def test_the_map_names_every_module_of_the_library() -> None:
-    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", _map()))
-    missing = [
-        str(module.relative_to(ROOT))
-        for top in LIBRARY
-        for module in sorted((ROOT / top).rglob("*.py"))
-        if module.stem not in ("__init__", "__main__") and module.stem not in words
-    ]
-    assert not missing, f"docs/ARCHITECTURE.md's layout does not name: {missing}"
+def test_the_design_names_the_floors_the_layering_test_enforces_top_down() -> None:
+    assert _named_floors() == list(reversed(FLOORS))
 
 
-def test_the_map_names_every_package_folder() -> None:
-    block = _map()
-    missing = []
-    for top in (*LIBRARY, "workloads"):
-        for package in _packages(top):
-            path = package.relative_to(ROOT).as_posix()
-            if f"{path}/" not in block and f"{package.name}/" not in block:
-                missing.append(path)
-    assert not missing, f"docs/ARCHITECTURE.md's layout does not name: {missing}"
-
-
-def test_every_folder_the_map_heads_a_line_with_exists() -> None:
-    heads = re.findall(r"^([a-z_]+(?:/[a-z_]+)*)/", _map(), flags=re.M)
-    assert heads, "the layout block lost its left column"
-    assert [h for h in heads if not (ROOT / h).is_dir()] == []
+def test_every_floor_the_design_names_exists() -> None:
+    assert [f for f in _named_floors() if not (ROOT / f).is_dir()] == []

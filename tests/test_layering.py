@@ -28,6 +28,8 @@ FORBIDDEN = {
     "server": ("cluster", "workloads", "scheduler", "radix"),
     "cluster": ("workloads",),
 }
+# The floors, bottom up: docs/ARCHITECTURE.md lists them top down (test_architecture_map).
+FLOORS = tuple(FORBIDDEN)
 # Modules the simulator runs as they are: no Ray, no torch.
 PLAIN = (
     "cluster/events.py", "cluster/index.py", "cluster/policy.py", "cluster/hub.py",

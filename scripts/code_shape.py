@@ -1,5 +1,8 @@
 """The code's shape in numbers, for a refactor's before/after: lines per part, the file-level
-import cycles among our modules, and which engine internals the packages above it import.
+import cycles among our modules, which engine internals the packages above it import, the
+model core's imports of a platform folder (``engine/model/cpu``, ``engine/model/cuda``) or of
+a floor above it, the branches on a device's type outside the platform folders, and the size
+of the serving core's biggest objects.
 
     python scripts/code_shape.py [ROOT]
 """
@@ -134,5 +137,79 @@ def main(root: Path) -> None:
         print(f"  {dep}: {', '.join(sorted(internal[dep]))}")
 
 
+PLATFORMS = ("engine.model.cpu", "engine.model.cuda")
+
+
+def in_platform(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in PLATFORMS)
+
+
+def model_core_reaches(root: Path) -> list[str]:
+    """Imports (type-only ones too) from a module of engine/model outside the platform
+    folders into a platform folder, or up into the engine's floors above the model."""
+    lib = sorted((root / "engine").rglob("*.py"))
+    modules = {module_name(root, p) for p in lib}
+    found = []
+    for path in lib:
+        name = module_name(root, path)
+        if not name.startswith("engine.model") or in_platform(name):
+            continue
+        for dep in sorted(imports_of(root, path, modules, True)):
+            up = dep == "engine" or dep == "engine.config" or dep.startswith("engine.serving")
+            if in_platform(dep) or up:
+                found.append(f"{name} -> {dep}")
+    return found
+
+
+def device_type_branches(root: Path) -> dict[str, int]:
+    """Comparisons of ``<x>.type`` with "cpu" or "cuda" per module of engine/, outside the
+    platform folders."""
+    counts: dict[str, int] = {}
+    for path in sorted((root / "engine").rglob("*.py")):
+        if in_platform(module_name(root, path)):
+            continue
+        n = 0
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            typed = any(isinstance(s, ast.Attribute) and s.attr == "type" for s in sides)
+            named = any(isinstance(s, ast.Constant) and s.value in ("cpu", "cuda") for s in sides)
+            n += typed and named
+        if n:
+            counts[str(path.relative_to(root))] = n
+    return counts
+
+
+def sizes(root: Path) -> None:
+    """Lines and functions of the serving core's modules and classes named in issue 56."""
+    for rel, cls in (("engine/serving/loop.py", None), ("engine/serving/engine.py", "Engine"),
+                     ("radix/manager.py", "KVManager")):
+        path = root / rel
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text())
+        line = f"  {rel}: {len(path.read_text().splitlines())} lines, " + str(
+            sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(tree))
+        ) + " defs"
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                defs = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                           for n in node.body)
+                line += f"; class {cls}: {node.end_lineno - node.lineno + 1} lines, {defs} defs"
+        print(line)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve())
+    where = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
+    main(where)
+    reaches = model_core_reaches(where)
+    print(f"model core -> a platform folder or a floor above: {len(reaches)} imports")
+    for line in reaches:
+        print("  " + line)
+    branches = device_type_branches(where)
+    print(f"device-type branches outside the platform folders: {sum(branches.values())}")
+    for rel, n in branches.items():
+        print(f"  {rel}: {n}")
+    print("serving core sizes:")
+    sizes(where)

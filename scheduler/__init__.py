@@ -2,8 +2,8 @@
 
 SamplingParams (what a request asks for), request states, waiting-queue policies (fcfs, lpm, dfs-weight, with in-batch grouping) and the
 Scheduler: continuous batching, chunked prefill, admission with a decode reserve, preemption,
-and speculative decoding from the radix tree (drafts.py: what to guess; speculation.py: how many
-guesses a step verifies).
+and speculative decoding from the radix tree (speculation/: drafter, what to guess; gate, how
+many guesses a step verifies).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # when thousands of requests wait behind in-flight prefixes).
     max_lookahead: int = 256
     # Speculative decoding without a draft model ("tree": drafts from the radix tree's
-    # continuations and n-gram lookups, verified in the decode step; scheduler/drafts.py), at
+    # continuations and n-gram lookups, verified in the decode step; scheduler/speculation/), at
     # most ``num_speculative_tokens`` draft tokens per request and step (the gate picks fewer).
     speculation: str = "off"
     num_speculative_tokens: int = 8

@@ -32,7 +32,7 @@ from scheduler.priority import PriorityLevels
 from scheduler.request import Request, RequestState
 from scheduler.resume_queue import ResumeQueue
 from scheduler.shared_rows import SharedRows
-from scheduler.speculative import SpeculativeDecoding
+from scheduler.speculation.extension import SpeculativeDecoding
 from scheduler.step_extension import StepExtension
 from scheduler.step_plan import StepPlan
 

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from scheduler.drafts import NAMESPACE_NGRAMS, NamespaceIndex
+from scheduler.speculation.drafter import NAMESPACE_NGRAMS, NamespaceIndex
 
 token_st = st.integers(0, 3)  # a small alphabet: n-grams recur across sequences
 namespace_st = st.sampled_from(["a", "b", None])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from scheduler import Request, SamplingParams
-from scheduler.drafts import PEER_NGRAM, ContextIndex, PeerIndex
+from scheduler.speculation.drafter import PEER_NGRAM, ContextIndex, PeerIndex
 
 token_st = st.integers(0, 3)  # a small alphabet: n-grams recur across requests
 

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from radix import KVManager
 from scheduler import Batch, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.drafts import ContextIndex, Draft, Drafter, DraftSource
-from scheduler.speculation import Candidate, SpeculationGate
+from scheduler.speculation.drafter import ContextIndex, Draft, Drafter, DraftSource
+from scheduler.speculation.gate import Candidate, SpeculationGate
 
 ALPHABET = 7
 STOP = 99

@@ -138,7 +138,7 @@ def draft_ceiling(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: i
     per step: how far the drafts can carry a trace's answers at best, before any row is paid
     for."""
     from scheduler import Request, SamplingParams
-    from scheduler.drafts import ContextIndex, NamespaceIndex, PeerIndex, best_draft
+    from scheduler.speculation.drafter import ContextIndex, NamespaceIndex, PeerIndex, best_draft
 
     finished: list[list[int]] = []
     index, peers = NamespaceIndex(k), PeerIndex()

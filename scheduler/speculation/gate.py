@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.drafts import LONGEST_NGRAM, Draft, DraftSource
 from scheduler.request import Request
+from scheduler.speculation.drafter import LONGEST_NGRAM, Draft, DraftSource
 
 # Acceptance priors of a draft read after a match of LONGEST_NGRAM tokens or more, per source,
 # and their share for shorter matches (on the spec_bench traces, a 1-token match of the

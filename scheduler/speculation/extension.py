@@ -1,6 +1,6 @@
 """Speculative decoding as a step extension: decode entries become verify entries (the last
-token plus draft tokens from the radix tree and n-gram lookups, ``drafts.Drafter``) where the
-gate (``speculation.SpeculationGate``) expects them to pay; what verification accepted feeds
+token plus draft tokens from the radix tree and n-gram lookups, ``drafter.Drafter``) where the
+gate (``gate.SpeculationGate``) expects them to pay; what verification accepted feeds
 the gate and the counters."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from radix import KVManager
 from scheduler.batch import Batch, BatchEntry
 from scheduler.counters import SchedulerCounters
-from scheduler.drafts import Draft, Drafter
 from scheduler.request import Request
-from scheduler.speculation import Candidate, SpeculationGate
+from scheduler.speculation.drafter import Draft, Drafter
+from scheduler.speculation.gate import Candidate, SpeculationGate
 from scheduler.step_plan import StepPlan
 
 

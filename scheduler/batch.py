@@ -30,10 +30,10 @@ class BatchEntry:
     computed: its logits are not needed. ``draft`` (speculative decoding) are guessed tokens
     fed after the decode's token (``input_ids = [last sampled] + draft``): every one of its
     rows is sampled, and the longest prefix of the draft that matches is accepted.
-    ``twin_of`` (``scheduler/twins.py``): another entry of the pass whose request has this
-    one's tokens and sampling; it is computed once, for both: the runner copies its K/V into
-    this entry's slots and gives this entry its tokens. ``scored``: the positions
-    ``[start, end)`` of this entry whose logits score the prompt's next token
+    ``leader`` (``scheduler/shared_rows.py``): another entry of the pass whose request has
+    this one's tokens and sampling; it is computed once, for both: the runner copies its K/V
+    into this entry's slots and gives this entry (its follower) its tokens. ``scored``: the
+    positions ``[start, end)`` of this entry whose logits score the prompt's next token
     (``SamplingParams.prompt_logprobs``); empty for every other entry.
     """
 
@@ -44,7 +44,7 @@ class BatchEntry:
     slots: list[int]
     sample: bool
     draft: list[int] = field(default_factory=list)
-    twin_of: BatchEntry | None = None
+    leader: BatchEntry | None = None
     scored: range = range(0)
 
     @classmethod
@@ -99,8 +99,8 @@ class Batch:
 
     @property
     def num_computed_rows(self) -> int:
-        """Tokens the pass computes: twins' rows are their leaders' (``BatchEntry.twin_of``)."""
-        return sum(len(e.input_ids) for e in self.entries if e.twin_of is None)
+        """Tokens the pass computes: followers' rows are their leaders' (``BatchEntry.leader``)."""
+        return sum(len(e.input_ids) for e in self.entries if e.leader is None)
 
     @property
     def num_decode(self) -> int:

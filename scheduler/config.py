@@ -50,7 +50,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculation: str = "off"
     num_speculative_tokens: int = 8
     # Identical requests in flight together (same namespace, tokens and deterministic
-    # sampling) compute their rows once (scheduler/twins.py). Exact only where a row does not
+    # sampling) compute their rows once (scheduler/shared_rows.py). Exact only where a row does not
     # depend on its pass: the engine turns it off where passes are not batch-invariant.
     share_rows: bool = True
     # Priority (``SamplingParams.priority``, lower first): a waiting priority level gains one

@@ -38,7 +38,7 @@ class SchedulerCounters:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
-    # Rows a request got from an identical request's computation (scheduler/twins.py).
+    # Rows a request got from an identical request's computation (scheduler/shared_rows.py).
     shared_rows: int = 0
 
     @property

@@ -3,7 +3,7 @@
 A ``StepExtension`` sees each step's plan after the scheduler made it (decodes, prefill
 chunks, admissions) and may rewrite entries (``extend``); it learns what a step committed for
 the entries it shaped (``committed``) and when a request leaves (``forget``). Speculative
-decoding (``speculation.extension.SpeculativeDecoding``) and identical-request rows
+decoding (``speculation.extension.SpeculativeDecoding``) and shared rows
 (``shared_rows.SharedRows``) are the two; the scheduler runs them in that order.
 """
 

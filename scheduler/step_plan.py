@@ -30,7 +30,7 @@ class StepPlan:
         sample: bool,
         draft: list[int] | None = None,
         scored: range = range(0),
-        twin_of: BatchEntry | None = None,
+        leader: BatchEntry | None = None,
     ) -> BatchEntry:
         """The entry feeding ``input_ids`` at ``start`` over page table ``table`` (a request's
         pages, perhaps more than this step needs)."""
@@ -38,7 +38,7 @@ class StepPlan:
         pages = list(table[: pages_for(end, self.page_size)])
         return BatchEntry(
             request, input_ids, start, pages, slots_for(pages, self.page_size, start, end),
-            sample, draft if draft is not None else [], twin_of, scored,
+            sample, draft if draft is not None else [], leader, scored,
         )
 
     def place(

@@ -217,12 +217,12 @@ class ModelRunner:
         with those drafts), and the drafts are accepted while they equal what was sampled, so
         greedy and seeded answers are the same with and without speculation.
 
-        A twin entry (``BatchEntry.twin_of``) is not computed: its leader's K/V is copied into
+        A follower entry (``BatchEntry.leader``) is not computed: its leader's K/V is copied into
         its slots and it gets its leader's tokens, which its own rows would have been (the
         scheduler pairs only identical requests with deterministic sampling, and only where
         a row does not depend on its pass)."""
-        if any(e.twin_of is not None for e in batch.entries):
-            return self._step_with_twins(batch)
+        if any(e.leader is not None for e in batch.entries):
+            return self._step_with_followers(batch)
         logits = self.forward(batch)
         entries = batch.entries
         out = StepResult([[] for _ in entries], [[] for _ in entries])
@@ -296,21 +296,21 @@ class ModelRunner:
             scores.append(found)
         return scores
 
-    def _step_with_twins(self, batch: Batch) -> StepResult:
-        """Computes the entries that are not twins; a twin gets its leader's K/V for its
+    def _step_with_followers(self, batch: Batch) -> StepResult:
+        """Computes the entries that are not followers; a follower gets its leader's K/V for its
         positions (computed in earlier steps or in this one) and its leader's tokens: those
         already known at its draft's start, then what the leader's rows produced now."""
         entries, p = batch.entries, batch.page_size
-        computed = [e for e in entries if e.twin_of is None]
+        computed = [e for e in entries if e.leader is None]
         result = self.step(Batch(computed, p))
         at = {id(e): i for i, e in enumerate(computed)}
         src: list[int] = []
         dst: list[int] = []
         out = StepResult([], [], None if result.prompt_logprobs is None else [])
         for entry in entries:
-            leader = entry.twin_of
+            leader = entry.leader
             i = at[id(entry if leader is None else leader)]
-            if out.prompt_logprobs is not None:  # a twin decodes: it scores no prompt
+            if out.prompt_logprobs is not None:  # a follower decodes: no prompt
                 out.prompt_logprobs.append([] if leader is not None else result.prompt_logprobs[i])
             if leader is None:
                 out.tokens.append(result.tokens[i])

@@ -107,13 +107,13 @@ class ChatSession:
 
     def fork(self) -> ChatSession:
         """An independent copy of this session (same history, params and namespace)."""
-        twin = ChatSession(self._engine, params=self._params, namespace=self._namespace)
-        twin._tool_use = self._tool_use
-        twin._messages = self.messages
-        twin._conversation_ids = list(self._conversation_ids)
-        twin.last_output = self.last_output
-        twin.last_dropped_tokens = self.last_dropped_tokens
-        return twin
+        forked = ChatSession(self._engine, params=self._params, namespace=self._namespace)
+        forked._tool_use = self._tool_use
+        forked._messages = self.messages
+        forked._conversation_ids = list(self._conversation_ids)
+        forked.last_output = self.last_output
+        forked.last_dropped_tokens = self.last_dropped_tokens
+        return forked
 
     def _params_for(self, params: SamplingParams | None) -> SamplingParams | None:
         return params if params is not None else self._params

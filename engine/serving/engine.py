@@ -117,7 +117,7 @@ class Engine:
 
     def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
         """The scheduler's knobs, speculation and shared rows off where the passes are not
-        batch-invariant: a verify pass or a twin's copied row then need not give the numbers
+        batch-invariant: a verify pass or a follower's copied row then need not give the numbers
         plain decoding gives, and a greedy answer must never depend on either."""
         scheduler = config.scheduler
         if scheduler.speculation != "off" and not self._batch_invariant:

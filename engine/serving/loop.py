@@ -419,7 +419,7 @@ class EngineLoop:
         job: Job, tokens: list[int], logprobs: list[TokenLogprob], now: float
     ) -> tuple[int, str]:
         """Feed a step's tokens for one request to its detokeniser, up to the first that ends
-        it by ``Request.end_reason`` (a twin catching up is given its leader's tokens,
+        it by ``Request.end_reason`` (a follower catching up is given its leader's tokens,
         which may run past its own limit). Returns how many were taken and their text."""
         request = job.request
         text = []

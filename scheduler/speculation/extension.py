@@ -55,10 +55,10 @@ class SpeculativeDecoding:
             self._verifying[request] = candidate.draft
 
     def committed(self, entry: BatchEntry, accepted: Sequence[int]) -> None:
-        """Count the verification of ``entry``'s draft (a twin's draft is its leader's tokens,
-        counted there) and tell the gate how much of what it granted was accepted."""
+        """Count the verification of ``entry``'s draft (a follower's draft is its leader's
+        tokens, counted there) and tell the gate how much of what it granted was accepted."""
         draft = self._verifying.pop(entry.request, None)
-        if entry.twin_of is not None:
+        if entry.leader is not None:
             return
         matched = 0
         while matched < min(len(entry.draft), len(accepted)) and (

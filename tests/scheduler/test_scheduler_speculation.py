@@ -7,7 +7,7 @@ equal). It plays the KV pool like the scripted model: every slot holds a content
 its prefix, and every slot a request reads must hold its own tokens' address, so a rejected
 draft's K/V that reached the tree, or a page freed too early, fails the test.
 
-Pinned: outputs with speculation (and twins sharing rows) equal outputs without (under chunked
+Pinned: outputs with speculation (and with shared rows) equal outputs without (under chunked
 prefill, preemption,
 tiny pools, several namespaces), every page is accounted for at idle, the tree only ever holds
 real sequences, drafts (from the tree, the namespace's index or running peers) never cross
@@ -44,16 +44,17 @@ class LoopingModel:
         return 10 + (a * 31 + b * 7 + c * 3 + len(tokens) // 50) % ALPHABET
 
     def step(self, batch: Batch) -> list[list[int]]:
-        """As the runner does: every entry that is not a twin computed first (a twin may come
-        before its leader in the batch), then each twin given its leader's K/V and tokens."""
+        """As the runner does: every entry that is not a follower computed first (a follower may
+        come before its leader in the batch), then each follower given its leader's K/V and
+        tokens."""
         p = self.page_size
         computed: dict[int, list[int]] = {}
         for entry in batch.entries:
-            if entry.twin_of is None:
+            if entry.leader is None:
                 computed[id(entry)] = self._compute(entry)
         out: list[list[int]] = []
         for entry in batch.entries:
-            leader = entry.twin_of
+            leader = entry.leader
             if leader is None:
                 out.append(computed[id(entry)])
                 continue
@@ -119,8 +120,8 @@ def run(
         share_rows=share_rows,
     )
     sched = Scheduler(kv, config)
-    # The stand-in's tokens must be a function of the sequence, as a real model's are (twins
-    # get their leader's tokens): requests with one prompt in one namespace stop alike.
+    # The stand-in's tokens must be a function of the sequence, as a real model's are
+    # (followers get their leader's tokens): requests with one prompt in one namespace stop alike.
     first = {}
     for i, (prompt, namespace) in enumerate(prompts):
         first.setdefault((tuple(prompt), namespace), i)
@@ -128,7 +129,7 @@ def run(
     model = LoopingModel(page_size, {i: n for i, n in stops.items() if n is not None})
     requests = []
     for i, (prompt, namespace) in enumerate(prompts):
-        # Greedy: identical requests in flight together become twins (one computes).
+        # Greedy: identical requests in flight together share rows (the leader computes).
         params = SamplingParams(max_new_tokens=max_new, stop_token_ids=[STOP], temperature=0.0)
         request = Request(i, list(prompt), params, namespace)
         sched.add(request)
@@ -234,7 +235,7 @@ def test_identical_requests_in_flight_share_their_rows() -> None:
         together, shared = run(prompts, speculation, **knobs)
         assert together == apart
         assert separate.counters.shared_rows == 0
-        # Only requests 0 and 1 (same namespace, same tokens) are twins: at most one row per
+        # Only requests 0 and 1 (same namespace, same tokens) share rows: at most one row per
         # token the second generates after its first (which its prefill gives).
         assert 0 < shared.counters.shared_rows <= 29 * (1 + 8)
 

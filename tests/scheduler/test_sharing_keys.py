@@ -1,4 +1,4 @@
-"""Which requests may stand for each other (``scheduler/twins.py``): one namespace, one prompt,
+"""Which requests may share rows (``scheduler/shared_rows.py``): one namespace, one prompt,
 sampling that is a function of the tokens; finishing knobs aside."""
 
 from __future__ import annotations
@@ -7,19 +7,19 @@ import numpy as np
 
 from scheduler import Request, SamplingParams
 from scheduler.params import StructuredOutputsParams
-from scheduler.twins import follows, twin_key
+from scheduler.shared_rows import follows, sharing_key
 
 PROMPT = [5, 6, 7, 8]
 
 
 def key(params: SamplingParams, namespace: str | None = None, prompt: list[int] = PROMPT) -> object:
-    return twin_key(Request("r", list(prompt), params, namespace))
+    return sharing_key(Request("r", list(prompt), params, namespace))
 
 
 def same_rows(a: SamplingParams, b: SamplingParams) -> bool:
-    """Whether requests with one prompt, one output and these params may be twins."""
+    """Whether requests with one prompt, one output and these params may share rows."""
     first, second = Request("a", list(PROMPT), a), Request("b", list(PROMPT), b)
-    return twin_key(first) is not None and twin_key(first) == twin_key(second) and follows(
+    return sharing_key(first) is not None and sharing_key(first) == sharing_key(second) and follows(
         second, first)
 
 

@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.setup-stamp
 
 setup: $(STAMP)
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
-	  echo "note: tests/server/test_inspect_browser.py (the inspector page in a real browser) is" \
+	  echo "note: tests/server/inspector/test_inspector_browser.py (the inspector page in a real browser) is" \
 	  "skipped without Chromium; install it with: sudo apt-get install -y chromium"
 
 # Re-running setup on a set-up tree is a no-op unless pyproject.toml changed.

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from cluster.config import ROUTERS, ClusterConfig
 from engine import EngineConfig, build_parser, run_command
 from server import cli as server_cli
-from server import inspect_cli
+from server.inspector import cli as inspector_cli
 
 
 def add_serve(commands: argparse._SubParsersAction) -> None:
@@ -222,13 +222,13 @@ def _drain(hub_name: str, grace_s: float) -> None:
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """``serve`` (with ``--replicas``) and ``inspect`` beside the engine's commands."""
     add_serve(commands)
-    inspect_cli.add_inspect(commands)
+    inspector_cli.add_inspect(commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(add_commands).parse_args(argv)
     if args.command == "inspect":
-        return inspect_cli.run_inspect(args)
+        return inspector_cli.run_inspect(args)
     if args.command == "serve":
         if args.replicas is not None:
             return serve_replicas(args)

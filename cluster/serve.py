@@ -32,7 +32,7 @@ from cluster.config import ClusterConfig
 from cluster.events import KVEventBatch, KVEventPublisher
 from cluster.hub import EventHub
 from cluster.index import KVIndex
-from cluster.inspect_board import InspectBoard
+from cluster.inspector_board import InspectorBoard
 from cluster.policy import CacheAware, RouteRequest
 from cluster.remote import EngineCall, RemoteEngine
 from cluster.replica_stats import ReplicaStats
@@ -76,8 +76,8 @@ def stop_hub(name: str) -> None:
 
 
 def start_board(hub_name: str) -> Any:
-    """The inspector's board (``InspectBoard``), named after the hub, created if missing."""
-    actor = ray.remote(num_cpus=0)(InspectBoard)
+    """The inspector's board (``InspectorBoard``), named after the hub, created if missing."""
+    actor = ray.remote(num_cpus=0)(InspectorBoard)
     return actor.options(
         name=_board_name(hub_name), namespace=HUB_NAMESPACE, get_if_exists=True,
         lifetime="detached", max_restarts=-1,

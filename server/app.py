@@ -28,7 +28,6 @@ from engine.api import EngineClient
 from server import (
     chat,
     completions,
-    inspect,
     models,
     probes,
     responses_api,
@@ -37,6 +36,7 @@ from server import (
 from server.access_log import AccessLog
 from server.config import ServerConfig
 from server.errors import APIError, as_api_error, not_found
+from server.inspector import endpoints as inspector
 from server.state import ServerState
 
 Endpoint = Callable[[ServerState, Request], Awaitable[Response]]
@@ -47,14 +47,14 @@ __all__ = ["ServerConfig", "create_app"]
 def create_app(
     engine: EngineClient,
     config: ServerConfig | None = None,
-    snapshots: inspect.SnapshotSource | None = None,
+    snapshots: inspector.SnapshotSource | None = None,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app over ``engine`` (an ``Engine``, or a ``RemoteEngine``
     in front of replicas); serve it with uvicorn, or mount it. ``snapshots``: where the
     inspector's snapshots come from (default: ``engine.inspect``; the replicas' front passes
     the ones they post)."""
     state = ServerState(engine, config or ServerConfig())
-    inspector = inspect.Inspector(engine, snapshots)
+    inspector_state = inspector.Inspector(engine, snapshots)
 
     def api(path: str, endpoint: Endpoint, method: str) -> Route:
         """A route whose every failure is OpenAI's error JSON."""
@@ -86,9 +86,9 @@ def create_app(
         api("/detokenize", tokenization.detokenize, "POST"),
         probe("/health", probes.health),
         probe("/metrics", probes.metrics),
-        api("/inspect", inspect.page, "GET"),
-        api("/inspect/state", inspector.state, "GET"),
-        api("/inspect/{asset}", inspect.page, "GET"),
+        api("/inspect", inspector.page, "GET"),
+        api("/inspect/state", inspector_state.state, "GET"),
+        api("/inspect/{asset}", inspector.page, "GET"),
     ]
     app = Starlette(
         routes=routes,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine import EngineConfig, build_parser, engine_options, run_command
 from server.config import ServerConfig
-from server.inspect_cli import add_inspect, run_inspect
+from server.inspector.cli import add_inspect, run_inspect
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 

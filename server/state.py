@@ -20,10 +20,10 @@ from engine.api import EngineClient, PromptIds, RequestOutput
 from server import access_log
 from server.config import ServerConfig
 from server.errors import invalid
+from server.inspector.traffic import TrafficLog
 from server.metrics import ServerMetrics
 from server.response_store import ResponseStore, default_store_path
 from server.tokens import TokenTexts
-from server.traffic import TrafficLog
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from engine.api.handle import (
     TextStream,
     abort_on_exit,
 )
-from engine.api.inspect import InspectSnapshot
+from engine.api.inspector import InspectSnapshot
 from engine.api.outputs import RequestOutput, TokenLogprob, ToolCall
 from engine.api.pins import PrefixPin, check_pin_ttl
 from engine.api.stats import EngineStats

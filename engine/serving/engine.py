@@ -27,13 +27,13 @@ from engine.api import (
     context_limit,
 )
 from engine.api.handle import outputs_or_raise
-from engine.api.inspect import InspectSnapshot
+from engine.api.inspector import InspectSnapshot
 from engine.config import EngineConfig
 from engine.model.build import build_pool, build_runner, verified_invariant, warn_if_slow_dtype
 from engine.model.loader import LoadedModel, load_model
 from engine.model.structured import Grammars
 from engine.serving.detokenizer import IncrementalDetokenizer
-from engine.serving.inspection import InspectOrder
+from engine.serving.inspector import InspectOrder
 from engine.serving.kv_tiers import build_tiers
 from engine.serving.loop import EngineLoop, Job, PinOrder
 from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text, split_prompts

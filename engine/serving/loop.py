@@ -43,7 +43,7 @@ from engine.model.cpu.threads import release_openmp_team
 from engine.model.runner import ModelRunner
 from engine.model.structured import GrammarError
 from engine.serving.detokenizer import IncrementalDetokenizer
-from engine.serving.inspection import InspectOrder, LoopInspection
+from engine.serving.inspector import InspectOrder, LoopInspection
 from engine.serving.stats import snapshot
 from radix import KVEvent
 from radix.pins import Pin

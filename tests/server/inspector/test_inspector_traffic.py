@@ -8,7 +8,7 @@ import dataclasses
 import msgspec
 
 from engine.api import EngineStats, RequestOutput
-from server.traffic import TrafficLog
+from server.inspector.traffic import TrafficLog
 
 
 class Clock:

@@ -1,10 +1,10 @@
 """The cache inspector over HTTP: ``GET /inspect`` (the page) and ``GET /inspect/state``.
 
-The page is three static files of this package (``server/static``: HTML, CSS, JS; no build
+The page is three static files of this package (``server/inspector/static``: HTML, CSS, JS; no build
 step, nothing fetched from elsewhere, a Content-Security-Policy that forbids it) that poll
 the state. The state is the engines' ``InspectSnapshot``s (taken on each loop thread, bounded
 by ``?budget=`` nodes; with replicas, the snapshots they published last) made into JSON by
-``inspect_view`` on the tokenizing thread, plus the traffic of the last minutes.
+``view`` on the tokenizing thread, plus the traffic of the last minutes.
 
 Both answer only clients on loopback unless the server runs with ``--inspect-public``; the
 state needs the API key as the API does (the page holds no data, and a browser cannot send a
@@ -30,7 +30,7 @@ from starlette.responses import Response
 
 from server.checks import check_auth
 from server.errors import APIError, engine_dead, invalid, not_found
-from server.inspect_view import build_state, label_sources, summed
+from server.inspector.view import build_state, label_sources, summed
 from server.state import ServerState
 
 DEFAULT_BUDGET = 400
@@ -53,7 +53,7 @@ STATIC = {
 
 @functools.cache
 def static_file(name: str) -> bytes:
-    return (resources.files("server") / "static" / name).read_bytes()
+    return (resources.files("server.inspector") / "static" / name).read_bytes()
 
 
 def check_reach(state: ServerState, request: Request) -> None:
@@ -104,7 +104,7 @@ class Inspector:
         self._snapshots = snapshots
 
     async def state(self, state: ServerState, request: Request) -> Response:
-        """The state JSON (see ``inspect_view``)."""
+        """The state JSON (see ``view``)."""
         check_reach(state, request)
         check_auth(request, state.config.api_key)
         if self._snapshots is None:

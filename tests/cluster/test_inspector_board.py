@@ -3,7 +3,7 @@ someone reads, at the budget last asked for, and a silent replica's snapshot goe
 
 from __future__ import annotations
 
-from cluster.inspect_board import SILENT_S, WATCH_S, InspectBoard
+from cluster.inspector_board import SILENT_S, WATCH_S, InspectorBoard
 
 
 class Clock:
@@ -16,7 +16,7 @@ class Clock:
 
 def test_snapshots_are_wanted_only_while_someone_reads() -> None:
     clock = Clock()
-    board = InspectBoard(clock)
+    board = InspectorBoard(clock)
     assert board.wanted() is None
     assert board.read(250) == {}
     assert board.wanted() == 250
@@ -26,7 +26,7 @@ def test_snapshots_are_wanted_only_while_someone_reads() -> None:
 
 def test_the_front_reads_each_replicas_latest_and_silent_ones_are_dropped() -> None:
     clock = Clock()
-    board = InspectBoard(clock)
+    board = InspectorBoard(clock)
     board.post("a", "a1")
     board.post("b", "b1")
     board.post("a", "a2")

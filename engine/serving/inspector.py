@@ -14,7 +14,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from engine.api.inspect import InspectSnapshot
+from engine.api.inspector import InspectSnapshot
 from engine.serving.stats import snapshot
 from radix.misses import MissTracker
 from radix.snapshot import snapshot_tree

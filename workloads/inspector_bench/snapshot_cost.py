@@ -1,4 +1,4 @@
-"""What the inspector costs the engine: ``python -m workloads.inspect_bench.snapshot_cost``.
+"""What the inspector costs the engine: ``python -m workloads.inspector_bench.snapshot_cost``.
 
 A real Engine (the bundled model) is filled with a tree of about ``--nodes`` nodes by
 one-token requests over token-id prompts (groups of branches under a shared header), then,
@@ -72,7 +72,7 @@ def summary(seconds: list[float]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m workloads.inspect_bench.snapshot_cost")
+    parser = argparse.ArgumentParser(prog="python -m workloads.inspector_bench.snapshot_cost")
     parser.add_argument("--nodes", type=int, default=10_000, help="tree size to build (about)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)

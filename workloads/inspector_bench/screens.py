@@ -1,4 +1,4 @@
-"""Screenshots of the inspector under a workload: ``python -m workloads.inspect_bench.screens
+"""Screenshots of the inspector under a workload: ``python -m workloads.inspector_bench.screens
 --workload rag --replicas 2 --out docs/bench/inspect-rag-2.png``.
 
 Starts ``radixkv serve`` (one engine, or ``--replicas N`` behind the cache-aware router),
@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from workloads.http_bench.replicas import free_port
-from workloads.inspect_bench.chromium import HeadlessChromium
+from workloads.inspector_bench.chromium import HeadlessChromium
 
 SIZES = {  # small enough for a 2-core machine, big enough to fill a 256-page pool
     "rag": ["documents=10", "requests=40", "doc_tokens=384", "question_tokens=32",
@@ -65,7 +65,7 @@ def shrink(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m workloads.inspect_bench.screens")
+    parser = argparse.ArgumentParser(prog="python -m workloads.inspector_bench.screens")
     parser.add_argument("--workload", choices=sorted(SIZES), default="rag")
     parser.add_argument("--replicas", type=int, default=0, help="0: one engine, no Ray")
     parser.add_argument("--num-pages", type=int, default=256)

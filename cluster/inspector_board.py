@@ -1,4 +1,4 @@
-"""Where the replicas' inspector snapshots meet the front: ``InspectBoard``.
+"""Where the replicas' inspector snapshots meet the front: ``InspectorBoard``.
 
 The front cannot ask one chosen replica for anything (Serve's router picks), so while
 someone watches ``/inspect`` each replica takes a snapshot on its engine loop once a second
@@ -17,7 +17,7 @@ WATCH_S = 30.0
 SILENT_S = 10.0
 
 
-class InspectBoard:
+class InspectorBoard:
     """The latest snapshot of each replica, and whether anyone reads them."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:

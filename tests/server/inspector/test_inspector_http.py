@@ -16,9 +16,9 @@ from starlette.testclient import TestClient
 from cluster.cli import main as cli_main
 from engine import Engine
 from server import ServerConfig, create_app
-from server.inspect_cli import summary
+from server.inspector.cli import summary
 
-STATIC = Path(__file__).resolve().parents[2] / "server" / "static"
+STATIC = Path(__file__).resolve().parents[3] / "server" / "inspector" / "static"
 SYSTEM = "You are the inspector test's assistant; answer in one short sentence please. " * 3
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from workloads.inspect_bench.chromium import HeadlessChromium, find_chromium
+from workloads.inspector_bench.chromium import HeadlessChromium, find_chromium
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCUMENT = (
     "Browser test manual, chapter one. The radix tree keeps every prompt's pages once; "
     "requests that share a prefix share its pages. "

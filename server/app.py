@@ -6,11 +6,14 @@ FastAPI's validation answers 422 in its own shape, and the app stays a plain ASG
 that uvicorn serves and Ray Serve can mount. Every request runs on the event loop through the
 engine's asyncio API (``RequestHandle.events``); no thread per request.
 
-This module only wires routes to endpoints, one module each (``chat``, ``completions``,
-``models``, ``tokenization``, ``probes``), over one ``ServerState`` (``state``). They share
-the checks before the body means anything (``checks``), the steps of generation
-(``generation``) and the following of engine requests to the client (``streaming``); every
-request gets one access line (``access_log``) unless the config turns it off.
+This module only wires routes to endpoints, one module each, by feature: OpenAI's chat
+completions and completions and vLLM's beside them (``openai``: ``chat``, ``completions``,
+``models``, ``tokenization``), the Responses API (``responses``), the cache inspector
+(``inspector``) and the probes (``probes``), over one ``ServerState`` (``state``). They
+share the checks before the body means anything (``checks``), the request fields
+(``protocol``), the steps of generation (``generation``) and the following of engine
+requests to the client (``streaming``); every request gets one access line (``access_log``)
+unless the config turns it off.
 """
 
 from __future__ import annotations
@@ -25,18 +28,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.api import EngineClient
-from server import (
-    chat,
-    completions,
-    models,
-    probes,
-    responses_api,
-    tokenization,
-)
+from server import probes
 from server.access_log import AccessLog
 from server.config import ServerConfig
 from server.errors import APIError, as_api_error, not_found
 from server.inspector import endpoints as inspector
+from server.openai import chat, completions, models, tokenization
+from server.responses import endpoints as responses
 from server.state import ServerState
 
 Endpoint = Callable[[ServerState, Request], Awaitable[Response]]
@@ -76,10 +74,10 @@ def create_app(
     routes = [
         api("/v1/chat/completions", chat.create_chat_completion, "POST"),
         api("/v1/completions", completions.create_completion, "POST"),
-        api("/v1/responses", responses_api.create_response, "POST"),
-        api("/v1/responses/{response_id}", responses_api.get_response, "GET"),
-        api("/v1/responses/{response_id}/input_items", responses_api.list_input_items, "GET"),
-        api("/v1/responses/{response_id}", responses_api.delete_response, "DELETE"),
+        api("/v1/responses", responses.create_response, "POST"),
+        api("/v1/responses/{response_id}", responses.get_response, "GET"),
+        api("/v1/responses/{response_id}/input_items", responses.list_input_items, "GET"),
+        api("/v1/responses/{response_id}", responses.delete_response, "DELETE"),
         api("/v1/models", models.list_models, "GET"),
         api("/v1/models/{model:path}", models.show_model, "GET"),
         api("/tokenize", tokenization.tokenize, "POST"),

@@ -1,5 +1,5 @@
-"""The steps both generation endpoints (chat completions, completions) share: reading a
-request, its token budget, submitting its choices, the envelope of a response or chunk.
+"""The steps the generation endpoints (chat completions, completions, responses) share:
+reading a request, its token budget, submitting its choices.
 
 The server checks here only what the engine cannot know (the key, the model name, the queue);
 the prompt, the sampling fields and the context fit are checked by the engine, once, and its
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 
@@ -20,21 +20,18 @@ from engine.api import ContextLengthError, PromptIds
 from server import access_log, protocol
 from server.checks import check_auth, check_model, check_queue, read_body
 from server.errors import APIError, from_engine, invalid
-from server.protocol import ChatRequest, CompletionRequest
+from server.protocol import SamplingFields
 from server.streaming import Choice
 
 if TYPE_CHECKING:
     from server.state import ServerState
 
-RequestT = TypeVar("RequestT", ChatRequest, CompletionRequest)
-
-# envelope(usage=NO_USAGE) leaves the key out (chunks of a stream without include_usage).
-NO_USAGE = object()
+RequestT = TypeVar("RequestT", bound=SamplingFields)
 
 
 async def parse(state: ServerState, request: Request, kind: type[RequestT]) -> RequestT:
     """The body (413 past the limit), the key, the body as ``kind``, the model it names and
-    the features both endpoints refuse, in that order."""
+    the features every generation endpoint refuses, in that order."""
     body = await read_body(request, state.config.max_body_bytes)
     check_auth(request, state.config.api_key)
     req = protocol.decode_body(body, kind)
@@ -123,24 +120,3 @@ def submit(
         raise
     access_log.count(prompt=sum(map(len, prompts)))  # each prompt once, as usage counts it
     return choices
-
-
-def envelope(
-    state: ServerState, rid: str, obj: str, created: int, items: list[dict[str, Any]], usage: Any
-) -> dict[str, Any]:
-    """A response or stream chunk around its choices; ``usage`` NO_USAGE leaves it out."""
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": state.config.model_name,
-        "choices": items,
-    }
-    if usage is not NO_USAGE:
-        body["usage"] = usage
-    return body
-
-
-def stream_usage(req: ChatRequest | CompletionRequest) -> bool:
-    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
-    return bool(req.stream_options and req.stream_options.include_usage)

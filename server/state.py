@@ -22,7 +22,7 @@ from server.config import ServerConfig
 from server.errors import invalid
 from server.inspector.traffic import TrafficLog
 from server.metrics import ServerMetrics
-from server.response_store import ResponseStore, default_store_path
+from server.responses.store import ResponseStore, default_store_path
 from server.tokens import TokenTexts
 
 T = TypeVar("T")

@@ -285,9 +285,10 @@ def test_a_grammar_the_engine_refuses_is_named_by_the_field_it_came_from(
     names it structured_outputs.<kind>) is named by the field the client sent."""
     from server import protocol
     from server.errors import from_engine
+    from server.openai import records
 
-    req = protocol.decode_body(json.dumps(chat(**fields)).encode(), protocol.ChatRequest)
+    req = protocol.decode_body(json.dumps(chat(**fields)).encode(), records.ChatRequest)
     kind = "json_object" if named == "response_format" else "json"
     refused = ValueError(f"params.structured_outputs.{kind}: too many alternatives")
-    error = from_engine(refused, protocol.structure_renames(req, calling))
+    error = from_engine(refused, records.structure_renames(req, calling))
     assert error.param == named and error.message == f"{named}: too many alternatives"

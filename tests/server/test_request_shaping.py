@@ -173,13 +173,14 @@ def test_the_server_builds_params_from_the_fields_the_client_sent_only() -> None
     """A field not sent (or sent as null) takes SamplingParams' own default, so the server
     restates none of them; a field sent reaches the params as the client spelled it."""
     from server import protocol
+    from server.openai.records import ChatRequest
 
-    bare = protocol.decode_body(b'{"messages": [], "temperature": null}', protocol.ChatRequest)
+    bare = protocol.decode_body(b'{"messages": [], "temperature": null}', ChatRequest)
     [params] = protocol.choice_params(bare, 7, None, {}, None)
     assert params == SamplingParams(max_new_tokens=7)
     body = (b'{"messages": [], "temperature": 0, "top_k": -1, "stop": "x", "seed": 5, "n": 2,'
             b' "ignore_eos": true, "logit_bias": {"3": 1.5}}')
-    sent = protocol.decode_body(body, protocol.ChatRequest)
+    sent = protocol.decode_body(body, ChatRequest)
     first, second = protocol.choice_params(sent, 7, 2, {}, None)
     assert first == SamplingParams(max_new_tokens=7, temperature=0.0, top_k=0, stop=["x"],
                                    seed=5, ignore_eos=True, logit_bias={3: 1.5}, logprobs=2)

@@ -29,12 +29,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.api import RequestOutput, ToolCall
-from server import protocol, response_items
+from server import protocol
 from server.checks import check_auth
 from server.errors import APIError, as_api_error, invalid, not_found
 from server.generation import TokenBudget, parse, submit
-from server.response_items import ResponsesRequest, new_id
-from server.response_store import StoredResponse, StoreFullError
+from server.responses import shapes
+from server.responses.shapes import ResponsesRequest, new_id
+from server.responses.store import StoredResponse, StoreFullError
 from server.state import ServerState
 from server.streaming import Choice, EventStreamResponse, sse, updates, wait
 
@@ -50,17 +51,17 @@ class Turn:
         self.created_at = int(time.time())
         self.history = [
             *(previous.history if previous else []),
-            *response_items.input_messages(req.input),
+            *shapes.input_messages(req.input),
         ]
         earlier = [*previous.items, *previous.body.get("output", [])] if previous else []
-        self.items = [*earlier, *response_items.as_items(req.input)]
-        tools = response_items.chat_tools(req.tools)
+        self.items = [*earlier, *shapes.as_items(req.input)]
+        tools = shapes.chat_tools(req.tools)
         try:
             self.tools = protocol.tool_use(
-                tools, response_items.chat_tool_choice(req.tool_choice), req.parallel_tool_calls
+                tools, shapes.chat_tool_choice(req.tool_choice), req.parallel_tool_calls
             )
         except APIError as exc:  # chat's field names in the Responses API's flat ones
-            raise response_items.flat_tool_error(exc) from None
+            raise shapes.flat_tool_error(exc) from None
         self.ids: list[int] = []
 
     def messages(self) -> list[dict[str, str]]:
@@ -85,7 +86,7 @@ class Turn:
             id=self.id,
             tenant=self.tenant,
             created_at=self.created_at,
-            history=[*self.history, response_items.reply_message(output, calls)],
+            history=[*self.history, shapes.reply_message(output, calls)],
             token_ids=[*self.ids, *output.token_ids],
             body=body,
             items=self.items,
@@ -94,7 +95,7 @@ class Turn:
 
 async def create_response(state: ServerState, request: Request) -> Response:
     req = await parse(state, request, ResponsesRequest)
-    response_items.check_request(req)
+    shapes.check_request(req)
     store = state.responses
     previous = None
     if req.previous_response_id is not None:
@@ -111,7 +112,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     if req.store and not await asyncio.to_thread(store.room_for):
         raise _store_full()
     turn = Turn(req, previous)
-    structure = response_items.text_format(req.text)
+    structure = shapes.text_format(req.text)
     calling = turn.tools is not None and turn.tools.calling
     if turn.tools is not None:
         try:
@@ -131,7 +132,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
         structure=structure,
     )
     renames = {f"structured_outputs.{k}": "tools" for k in ("json", "grammar")} if calling else {
-        "structured_outputs.json": response_items.TEXT_FORMAT_SCHEMA,
+        "structured_outputs.json": shapes.TEXT_FORMAT_SCHEMA,
         "structured_outputs.json_object": "text.format",
     }
     ttl = state.config.response_ttl if req.store and state.config.response_ttl > 0 else None
@@ -146,8 +147,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
         return Response(status_code=499)  # nobody is there to read it
     [output] = outputs
     calls, whole = turn.calls(output)
-    items = response_items.output_items(output, calls, whole)
-    body = response_items.response_object(
+    items = shapes.output_items(output, calls, whole)
+    body = shapes.response_object(
         req, turn.id, turn.created_at, state.config.model_name, output, items
     )
     if req.store and output.finish_reason != "abort":  # a cut-off turn is not kept
@@ -242,7 +243,7 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
         data = {"type": kind, "sequence_number": next(numbers), **fields}
         return b"event: " + kind.encode() + b"\n" + sse(data)
 
-    started = response_items.response_object(req, turn.id, turn.created_at, model, None, [])
+    started = shapes.response_object(req, turn.id, turn.created_at, model, None, [])
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
     reader = turn.tools.stream() if turn.tools is not None and turn.tools.calling else None
@@ -254,7 +255,7 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
                 for delta in reader.deltas():
                     for piece in delta["tool_calls"]:
                         if "id" in piece:
-                            item = response_items.call_item(
+                            item = shapes.call_item(
                                 new_id("fc"),
                                 ToolCall(piece["id"], piece["function"]["name"], ""),
                                 status="in_progress",
@@ -295,7 +296,7 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
                 for chunk in text.done():
                     yield chunk
                 items = [text.item]
-            body = response_items.response_object(
+            body = shapes.response_object(
                 req, turn.id, turn.created_at, model, output, items
             )
             if req.store and output.finish_reason != "abort":
@@ -320,7 +321,7 @@ class _TextItem:
 
     def __init__(self, event: Any) -> None:
         self._event = event
-        self.item = response_items.message_item(new_id("msg"), "", status="in_progress")
+        self.item = shapes.message_item(new_id("msg"), "", status="in_progress")
         self.text = ""
         self.cut = False  # ended by max_output_tokens
         self._open = False
@@ -335,7 +336,7 @@ class _TextItem:
 
     def done(self) -> list[bytes]:
         out = self._opening()
-        part = response_items.text_part(self.text)
+        part = shapes.text_part(self.text)
         item_id = self.item["id"]
         out.append(self._event("response.output_text.done", item_id=item_id, output_index=0,
                                content_index=0, text=self.text, logprobs=[]))
@@ -354,6 +355,6 @@ class _TextItem:
             self._event("response.output_item.added", output_index=0, item=dict(self.item)),
             self._event("response.content_part.added", item_id=self.item["id"],
                         output_index=0, content_index=0,
-                        part=response_items.text_part("")),
+                        part=shapes.text_part("")),
         ]
 

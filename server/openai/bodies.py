@@ -1,17 +1,24 @@
-"""The parts of OpenAI's response bodies and stream chunks built from the engine's outputs:
-usage and log-probabilities (the SSE framing is ``streaming.sse``)."""
+"""The bodies of chat completions and completions and their stream chunks, built from the
+engine's outputs: the envelope around the choices, usage and log-probabilities (the SSE
+framing is ``server.streaming.sse``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.api import RequestOutput, TokenLogprob
+from server.openai.records import ChatRequest, CompletionRequest
 from server.tokens import TokenTexts
+
+if TYPE_CHECKING:
+    from server.state import ServerState
 
 # JSON has no -inf: a token the model gives no chance at all gets this floor.
 LOGPROB_FLOOR = -9999.0
+# envelope(usage=NO_USAGE) leaves the key out (chunks of a stream without include_usage).
+NO_USAGE = object()
 
 
 def _lp(value: float) -> float:
@@ -104,3 +111,24 @@ def vllm_prompt_logprobs(
         ])
         for e in entries
     ]
+
+
+def envelope(
+    state: ServerState, rid: str, obj: str, created: int, items: list[dict[str, Any]], usage: Any
+) -> dict[str, Any]:
+    """A response or stream chunk around its choices; ``usage`` NO_USAGE leaves it out."""
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": state.config.model_name,
+        "choices": items,
+    }
+    if usage is not NO_USAGE:
+        body["usage"] = usage
+    return body
+
+
+def stream_usage(req: ChatRequest | CompletionRequest) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    return bool(req.stream_options and req.stream_options.include_usage)

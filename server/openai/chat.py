@@ -21,18 +21,26 @@ from engine import tools as tool_format
 from engine.api import RequestOutput, TokenLogprob
 from server import protocol
 from server.errors import as_api_error, invalid
-from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
-from server.protocol import ChatRequest
-from server.responses import chat_logprobs, usage_of, vllm_prompt_logprobs
+from server.generation import TokenBudget, parse, submit
+from server.openai import records
+from server.openai.bodies import (
+    NO_USAGE,
+    chat_logprobs,
+    envelope,
+    stream_usage,
+    usage_of,
+    vllm_prompt_logprobs,
+)
+from server.openai.records import ChatRequest
 from server.state import ServerState
 from server.streaming import Choice, EventStreamResponse, sse, updates, wait
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     req = await parse(state, request, ChatRequest)
-    protocol.check_chat_only(req)
+    records.check_chat_only(req)
     messages = protocol.conversation(req.messages)
-    structure = protocol.structured_outputs(req)  # the format of a reply that is not a call
+    structure = records.structured_outputs(req)  # the format of a reply that is not a call
     tools = protocol.tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
     if tools is not None:
         messages = tools.render(messages)  # rendered whatever tool_choice says
@@ -58,7 +66,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     )
     choices = submit(
         state, [ids], ["messages"], params, budget, req.cache_salt, req.stream,
-        renames=protocol.structure_renames(req, calling),
+        renames=records.structure_renames(req, calling),
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:

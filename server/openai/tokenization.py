@@ -14,13 +14,14 @@ from starlette.responses import JSONResponse, Response
 from server import access_log, protocol
 from server.checks import check_auth, check_model, read_body
 from server.errors import invalid
+from server.openai.records import DetokenizeRequest, TokenizeRequest
 from server.state import ServerState
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:
     check_auth(request, state.config.api_key)
     body = await read_body(request, state.config.max_body_bytes)
-    req = protocol.decode_body(body, protocol.TokenizeRequest)
+    req = protocol.decode_body(body, TokenizeRequest)
     check_model(req.model, state.config.names)
     if (req.prompt is None) == (req.messages is None):
         raise invalid("prompt: give exactly one of 'prompt' and 'messages'", param="prompt")
@@ -44,6 +45,6 @@ async def tokenize(state: ServerState, request: Request) -> Response:
 async def detokenize(state: ServerState, request: Request) -> Response:
     check_auth(request, state.config.api_key)
     body = await read_body(request, state.config.max_body_bytes)
-    req = protocol.decode_body(body, protocol.DetokenizeRequest)
+    req = protocol.decode_body(body, DetokenizeRequest)
     check_model(req.model, state.config.names)
     return JSONResponse({"prompt": await state.decode(req.tokens, "tokens")})

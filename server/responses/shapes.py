@@ -1,6 +1,6 @@
 """The Responses API's shapes: its request record, its input items as the chat messages the
 engine renders, its tools and text format as chat's, and the output items and usage of a
-response. Only shapes; ``responses_api`` runs the requests.
+response. Only shapes; ``endpoints`` runs the requests.
 
 Input items (``input`` as a string, or a list of items): messages (``role`` and ``content``, a
 string or ``input_text``/``output_text`` parts), ``function_call`` (a call the model made,

@@ -19,9 +19,17 @@ from starlette.responses import JSONResponse, Response
 from engine.api import PromptIds, RequestOutput, TokenLogprob
 from server import protocol
 from server.errors import as_api_error
-from server.generation import NO_USAGE, TokenBudget, envelope, parse, stream_usage, submit
-from server.protocol import CompletionRequest
-from server.responses import completion_logprobs, usage_of, vllm_prompt_logprobs
+from server.generation import TokenBudget, parse, submit
+from server.openai import records
+from server.openai.bodies import (
+    NO_USAGE,
+    completion_logprobs,
+    envelope,
+    stream_usage,
+    usage_of,
+    vllm_prompt_logprobs,
+)
+from server.openai.records import CompletionRequest
 from server.state import ServerState
 from server.streaming import Choice, EventStreamResponse, Update, sse, updates, wait
 
@@ -31,8 +39,8 @@ DEFAULT_MAX_TOKENS = 16
 
 async def create_completion(state: ServerState, request: Request) -> Response:
     req = await parse(state, request, CompletionRequest)
-    protocol.check_completion_only(req)
-    prompts = protocol.completion_prompts(req.prompt)
+    records.check_completion_only(req)
+    prompts = records.completion_prompts(req.prompt)
     fields = [f"prompt[{i}]" if len(prompts) > 1 else "prompt" for i in range(len(prompts))]
     encoded = [
         await state.encode(p, f, [p] if isinstance(p, str) else [])
@@ -49,7 +57,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     scored = [c for c in (_echo_scores(req), req.prompt_logprobs) if c is not None]
     params = protocol.choice_params(
         req, max(asked, 1), req.logprobs, renames={"max_new_tokens": "max_tokens"},
-        structure=protocol.structured_outputs(req),
+        structure=records.structured_outputs(req),
         prompt_logprobs=max(scored) if scored else None,
     )
     if scored:  # a prompt's scores are the same for each choice: its first computes them

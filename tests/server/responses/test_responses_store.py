@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from engine import Engine
 from server import ServerConfig, create_app
-from server.response_store import ResponseStore, StoredResponse, StoreFullError
+from server.responses.store import ResponseStore, StoredResponse, StoreFullError
 
 DOCUMENT = " ".join(f"Clause {i}: the tenant keeps the garden of plot {i} tidy." for i in range(8))
 FILLERS = [

@@ -310,7 +310,7 @@ class ModelRunner:
         for entry in entries:
             leader = entry.leader
             i = at[id(entry if leader is None else leader)]
-            if out.prompt_logprobs is not None:  # a follower decodes: no prompt
+            if out.prompt_logprobs is not None:  # a follower decodes: it scores no prompt
                 out.prompt_logprobs.append([] if leader is not None else result.prompt_logprobs[i])
             if leader is None:
                 out.tokens.append(result.tokens[i])

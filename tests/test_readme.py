@@ -28,10 +28,12 @@ def _anchors(path: Path) -> set[str]:
 
 
 def test_every_relative_link_in_the_docs_resolves() -> None:
-    """README.md and docs/*.md link only to files (and headings) that exist."""
+    """README.md, docs/*.md and docs/design/*.md link only to files (and headings) that
+    exist."""
     root = README.parent
     broken = []
-    for page in [README, *sorted((root / "docs").glob("*.md"))]:
+    docs = root / "docs"
+    for page in [README, *sorted(docs.glob("*.md")), *sorted((docs / "design").glob("*.md"))]:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target):

@@ -144,7 +144,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _decode_graphs(self, max_batch: int, max_rows: int) -> DecodeGraphs:
-        """Decode graphs over FlashInfer wrappers twinned from the runner's backend (on the
+        """Decode graphs over FlashInfer wrappers made in graph mode from the runner's backend (on the
         CPU: the same buffers and plans, uncaptured); verify graphs of up to ``max_rows`` rows
         where the plan is deterministic (speculation runs only there; the default plan's graph
         wrappers are FlashInfer's decode wrapper, one row per entry). A batch-invariant runner
@@ -161,7 +161,7 @@ class ModelRunner:
             return model.forward_planned(fb, self.pool, attention, threads)
 
         return DecodeGraphs(
-            self.pool, backend.graph_twin, forward, max_batch,
+            self.pool, backend.for_graph, forward, max_batch,
             -(-context // self.pool.page_size), capture=self.loaded.device.type == "cuda",
             eager=self._eager if self.batch_invariant else None,
             max_rows=min(max_rows, MAX_VERIFY_ROWS) if backend.deterministic else 0,

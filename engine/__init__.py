@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names for type checkers (``X as X``: re-exported)
     from engine.config import EngineConfig as EngineConfig
-    from engine.model.cpu.machine import cache_root as cache_root
+    from engine.model.cache_root import cache_root as cache_root
     from engine.model.kv_pool import KVPool as KVPool
     from engine.model.loader import ModelFront as ModelFront
     from engine.model.loader import bundled_gguf_path as bundled_gguf_path
@@ -57,7 +57,7 @@ _HOMES_BY_MODULE = {
         "checkpoint_dir",
     ),
     "engine.model.kv_pool": ("KVPool",),
-    "engine.model.cpu.machine": ("cache_root",),
+    "engine.model.cache_root": ("cache_root",),
 }
 _HOMES = {name: module for module, names in _HOMES_BY_MODULE.items() for name in names}
 # Namespaces: a module under a name of its own.

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.model.cpu.machine import cache_root, cpu_flags
+from engine.model.cache_root import cache_root
+from engine.model.cpu.machine import cpu_flags
 from engine.model.cpu.probe import probe
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig

@@ -1,22 +1,15 @@
-"""What the engine knows of the machine it runs on: its CPU, its memory, where caches live.
+"""What the engine knows of the machine it runs on: its CPU and its memory.
 
 One place for what several modules key or size things by: the dtype probe's cache and the
 kernels' builds are keyed by ``machine_key`` (CPU model, flags, cores, torch), the disk tier's
-store by it too, bf16's safety check reads ``cpu_flags``, pool sizing reads the memory figures,
-and every cache sits under ``cache_root``. /proc/cpuinfo is read once per process.
+store by it too, bf16's safety check reads ``cpu_flags``, pool sizing reads the memory figures.
+/proc/cpuinfo is read once per process.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/radixkv`` (default ``~/.cache/radixkv``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "radixkv"
 
 
 @functools.cache

@@ -28,8 +28,9 @@ import torch
 import xxhash
 
 from engine.model.attention.native import SOURCE as ATTENTION
+from engine.model.cache_root import cache_root
 from engine.model.cpu import native_build
-from engine.model.cpu.machine import cache_root, machine_key
+from engine.model.cpu.machine import machine_key
 from engine.model.cpu.products import SOURCE as PRODUCTS
 
 DTYPES = ("float32", "bfloat16")

@@ -54,7 +54,7 @@ class ModelRunner:
     once per model; with a ``threads`` policy each pass sets torch's intra-op threads for its
     size and our products split their columns over all ``threads.max_threads`` (one call per
     product, so no thread team per small op). With ``batch_invariant`` attention is the exact
-    kernel too (``engine.model.attention.native``): every pass is then batch-invariant by
+    kernel too (``engine.model.cpu.exact_attention``): every pass is then batch-invariant by
     construction, which the dtype probe verifies on each machine (``engine.model.cpu.probe``).
 
     Batches come from the scheduler, whose requests were validated at the engine's boundary,

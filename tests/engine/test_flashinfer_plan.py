@@ -14,8 +14,9 @@ from flashinfer_cases import HKV, HQ, D, build_pass, clone_pool, requests_for, t
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model.attention import create_backend, native
-from engine.model.attention.exact_backend import ExactAttentionBackend
+from engine.model.attention import create_backend
+from engine.model.cpu import exact_attention
+from engine.model.cpu.exact_backend import ExactAttentionBackend
 from engine.model.cuda.flashinfer_backend import FlashInferBackend, reference_ops
 from engine.model.cuda.flashinfer_plan import plan_flashinfer
 from engine.model.cuda.flashinfer_reference import merge_state
@@ -32,7 +33,7 @@ def flashinfer(fb: ForwardBatch, pool: KVPool, q: Any, k: Any, v: Any, **options
 
 
 def exact(fb: ForwardBatch, pool: KVPool, q: Any, k: Any, v: Any) -> Any:
-    kernel = native.load_kernel()
+    kernel = exact_attention.load_kernel()
     if kernel is None:
         pytest.skip("the native attention kernel does not build here")
     backend = ExactAttentionBackend(HQ, HKV, D, CPU, kernel)

@@ -38,11 +38,11 @@ def create_backend(
             deterministic=exact, cascade_costs=CascadeCosts() if on_cuda else None,
         )
     if name == "torch" and exact:
-        from engine.model.attention import native
-        from engine.model.attention.exact_backend import ExactAttentionBackend
+        from engine.model.cpu import exact_attention
+        from engine.model.cpu.exact_backend import ExactAttentionBackend
 
-        usable = device.type == "cpu" and config.head_dim % native.HEAD_DIM_MULTIPLE == 0
-        kernel = native.load_kernel() if usable else None
+        usable = device.type == "cpu" and config.head_dim % exact_attention.HEAD_DIM_MULTIPLE == 0
+        kernel = exact_attention.load_kernel() if usable else None
         if kernel is not None:
             return ExactAttentionBackend(
                 config.num_heads, config.num_kv_heads, config.head_dim, device, kernel, threads

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from engine.model.attention.native import SOURCE as ATTENTION
 from engine.model.cache_root import cache_root
 from engine.model.cpu import native_build
+from engine.model.cpu.exact_attention import SOURCE as ATTENTION
 from engine.model.cpu.machine import machine_key
 from engine.model.cpu.products import SOURCE as PRODUCTS
 
@@ -147,7 +147,7 @@ def kernels_key() -> str:
 
 def kernels_loaded() -> bool:
     """Whether both native kernels load in this process (built and self-tested)."""
-    from engine.model.attention.native import load_kernel
+    from engine.model.cpu.exact_attention import load_kernel
     from engine.model.cpu.products import load_products
 
     return load_products() is not None and load_kernel() is not None

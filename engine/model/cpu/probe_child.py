@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model import invariance
-from engine.model.attention.native import load_kernel
+from engine.model.cpu.exact_attention import load_kernel
 from engine.model.cpu.probe import DtypeReport
 from engine.model.loader import LoadedModel, load_model
 from scheduler import SamplingParams

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from engine.model.cpu import exact_attention
-from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, load_products
+from engine.model.cpu.products import load_products
+from engine.model.platform import NONE, RMSNORM, SILU_MUL
 
 CPU = torch.device("cpu")
 

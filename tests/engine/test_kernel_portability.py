@@ -15,9 +15,10 @@ import torch
 
 from engine.model.cpu import exact_attention, native_build
 from engine.model.cpu.machine import cpu_flags
-from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, PackedWeight
 from engine.model.cpu.products import SELF_TEST as PRODUCTS_SELF_TEST
 from engine.model.cpu.products import SOURCE as PRODUCTS
+from engine.model.cpu.products import PackedWeight
+from engine.model.platform import NONE, RMSNORM, SILU_MUL
 
 FLAGS = cpu_flags()  # empty where /proc/cpuinfo has none
 # x86-64-v3 needs these to run; x86-64 runs on any x86-64 CPU

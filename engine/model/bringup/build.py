@@ -1,5 +1,5 @@
-"""The model side of an engine, built from its ``EngineConfig``: the KV pool sized for this
-machine and the runner with the attention backend it resolves to.
+"""The model side of an engine, built from its ``EngineConfig``: the platform for its device,
+the KV pool sized for this machine and the runner with the attention backend it resolves to.
 
 What is decided here depends on the loaded model and the machine (free memory, the dtype
 probe's verdict), so it runs after the load; the config's own checks ran before it.
@@ -7,43 +7,43 @@ probe's verdict), so it runs after the load; the config's own checks ran before 
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import torch
 
 from engine.config import EngineConfig
-from engine.model.cpu.machine import available_memory_bytes, machine_memory_bytes
-from engine.model.cpu.probe import probe
+from engine.model.bringup.device_check import verify_on_device
+from engine.model.bringup.dtype_probe import probe
+from engine.model.bringup.platforms import platform_for, resolve_backend
 from engine.model.cpu.threads import ThreadPolicy
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
+from engine.model.platform import Platform
 from engine.model.runner import ModelRunner
 from engine.model.structured import Grammars
 
-# Default KV budget on the CPU: 1 GiB (about 23k tokens of SmolLM2-135M in float32), or an
-# eighth of the machine's memory when that is smaller. On CUDA: a share of the free memory
-# after the weights are loaded.
-CPU_KV_BYTES = 1 << 30
-CUDA_KV_FRACTION = 0.7
+
+def build_platform(loaded: LoadedModel, config: EngineConfig) -> Platform:
+    """The platform of ``loaded``'s device for the backend ``config.backend`` resolves to,
+    passes on ``config.threads`` threads."""
+    backend = resolve_backend(config.backend, loaded.device)
+    return platform_for(loaded.device, backend, ThreadPolicy.default(config.threads))
 
 
-def build_pool(loaded: LoadedModel, config: EngineConfig) -> KVPool:
-    """The KV pool: ``num_pages`` pages, or as many as ``kv_cache_bytes`` (or the default
-    budget) holds; refused before allocating when the machine has not the memory for it."""
+def build_pool(loaded: LoadedModel, config: EngineConfig, platform: Platform) -> KVPool:
+    """The KV pool: ``num_pages`` pages, or as many as ``kv_cache_bytes`` (or the platform's
+    default budget) holds; refused before allocating when the device has not the memory."""
     cfg = loaded.config
     page_size = config.page_size
     per_page = KVPool.bytes_per_page(
         cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
     )
+    memory = platform.kv_memory()
     pages = config.num_pages
     if pages is None:
         budget = config.kv_cache_bytes
         if budget is None:
-            if loaded.device.type == "cuda":
-                budget = KVPool.cuda_budget_bytes(CUDA_KV_FRACTION, loaded.device)
-            else:
-                budget = min(CPU_KV_BYTES, machine_memory_bytes() // 8)
+            budget = memory.default_bytes
         pages = KVPool.pages_for_bytes(
             budget, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
         )
@@ -51,10 +51,7 @@ def build_pool(loaded: LoadedModel, config: EngineConfig) -> KVPool:
             raise ValueError(f"kv_cache_bytes: {budget} is less than one page ({per_page} bytes)")
     # A pool too large for the machine would get the process killed, not an error.
     need = pages * per_page
-    if loaded.device.type == "cuda":
-        available = torch.cuda.mem_get_info(loaded.device)[0]
-    else:
-        available = available_memory_bytes()
+    available = memory.available_bytes
     if need > available:
         field = "num_pages" if config.num_pages else "kv_cache_bytes"
         raise ValueError(
@@ -63,33 +60,37 @@ def build_pool(loaded: LoadedModel, config: EngineConfig) -> KVPool:
         )
     return KVPool(
         cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-        loaded.dtype, loaded.device, scratch_pages=1 if uses_graphs(loaded, config) else 0,
+        loaded.dtype, loaded.device, scratch_pages=1 if uses_graphs(config, platform) else 0,
     )
 
 
-def uses_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
-    """Decode graphs: asked for, on CUDA, with FlashInfer (the only backend with graph-mode
-    wrappers)."""
+def uses_graphs(config: EngineConfig, platform: Platform) -> bool:
+    """Decode graphs: asked for, where the platform captures them (CUDA), with FlashInfer (the
+    only backend with graph-mode wrappers)."""
     return (
         config.cuda_graphs
-        and loaded.device.type == "cuda"
-        and resolve_backend(config.backend, loaded.device) == "flashinfer"
+        and platform.captures_graphs
+        and resolve_backend(config.backend, platform.device) == "flashinfer"
     )
 
 
 def build_runner(
-    loaded: LoadedModel, pool: KVPool, config: EngineConfig, grammars: Grammars | None = None
+    loaded: LoadedModel,
+    pool: KVPool,
+    config: EngineConfig,
+    platform: Platform,
+    grammars: Grammars | None = None,
 ) -> ModelRunner:
-    """The runner over ``pool`` with the backend ``config.backend`` resolves to here, masking
-    by ``grammars`` (structured outputs)."""
+    """The runner over ``pool`` on ``platform`` with the backend ``config.backend`` resolves
+    to, masking by ``grammars`` (structured outputs)."""
     return ModelRunner(
         loaded,
         pool,
+        platform,
         backend=resolve_backend(config.backend, loaded.device),
-        threads=ThreadPolicy.default(config.threads),
         batch_invariant=config.batch_invariant,
         grammars=grammars,
-        cuda_graphs=uses_graphs(loaded, config),
+        cuda_graphs=uses_graphs(config, platform),
         max_batch=config.scheduler.max_running,
         max_verify_rows=verify_rows(config),
     )
@@ -104,27 +105,14 @@ def verify_rows(config: EngineConfig) -> int:
     return scheduler.max_running * (1 + scheduler.num_speculative_tokens)
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto": FlashInfer on CUDA where it is installed (the ``gpu`` extra), the torch one
-    otherwise (on the CPU the flashinfer backend is only its slow reference, for tests)."""
-    if backend != "auto":
-        return backend
-    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
-        return "flashinfer"
-    return "torch"
-
-
 def verified_invariant(loaded: LoadedModel, asked: bool, runner: ModelRunner) -> bool:
-    """Whether this machine's forward is verified batch-invariant: on the CPU by the dtype
-    probe (``engine.model.cpu.probe``), on CUDA by checking ``runner`` itself at start
-    (``engine.model.cuda.device_check``); warns when it was asked for and not verified."""
+    """Whether this machine's forward is verified batch-invariant: by checking ``runner``
+    itself now where its platform's promise depends on the device (``device_check``: CUDA,
+    FlashInfer's reference), else by the dtype probe's verdict (``dtype_probe``: the CPU);
+    warns when it was asked for and not verified."""
     if not asked:
         return False
-    # The probe covers the CPU's own kernels; FlashInfer's path (its reference on the CPU) is
-    # checked on the runner itself.
-    if loaded.device.type != "cpu" or runner.backend.name == "flashinfer":
-        from engine.model.cuda.device_check import verify_on_device
-
+    if runner.platform.verifies_runner:
         return verify_on_device(runner)
     name = str(loaded.dtype).removeprefix("torch.")
     report = probe().reports.get(name)
@@ -142,13 +130,9 @@ def verified_invariant(loaded: LoadedModel, asked: bool, runner: ModelRunner) ->
     return False
 
 
-def warn_if_slow_dtype(device: torch.device, dtype: torch.dtype) -> None:
-    """float16 on a CPU has no fast kernels in torch (several times slower than float32):
-    say so."""
-    if device.type == "cpu" and dtype == torch.float16:
-        warnings.warn(
-            "dtype: float16 on the CPU runs several times slower than float32 (torch has no "
-            "fast CPU kernels for it); use float32, bfloat16, or dtype=None to measure",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+def warn_if_slow_dtype(platform: Platform, dtype: torch.dtype) -> None:
+    """Say so where ``dtype`` runs slowly on ``platform`` (float16 on a CPU: torch has no fast
+    kernels for it)."""
+    message = platform.dtype_warning(dtype)
+    if message is not None:
+        warnings.warn(message, RuntimeWarning, stacklevel=4)

@@ -1,7 +1,7 @@
 """What FlashInfer's calls need from us beyond their results, checked on the CPU through the
-torch reference: a backend in CUDA-graph mode plans the wrapper its graph captured whatever the pass's
-shape, ``plan`` gets host tables (the cascade's too), and a packed pass's host views stay
-intact while the next pass is packed (FlashInfer copies them asynchronously)."""
+torch reference: a backend in CUDA-graph mode plans the wrapper its graph captured whatever
+the pass's shape, ``plan`` gets host tables (the cascade's too), and a packed pass's host
+views stay intact while the next pass is packed (FlashInfer copies them asynchronously)."""
 
 from __future__ import annotations
 

@@ -259,7 +259,9 @@ def test_fused_rope_and_kv_write_equal_the_separate_steps(
     torch.testing.assert_close(fused_k.float(), k_pool.float(), rtol=0, atol=1e-6 if
                                dtype == torch.float32 else 0.0)
     assert torch.equal(fused_v, v_pool)
-    separate = exact_attention.attend(kernel, qk[:, :hq].contiguous(), k_pool, v_pool, plan, G, SCALE)
+    separate = exact_attention.attend(
+        kernel, qk[:, :hq].contiguous(), k_pool, v_pool, plan, G, SCALE
+    )
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
 
 

@@ -4,7 +4,7 @@ A query's output never depends on the batch, the cache or the page size: each qu
 computed by one fixed sequence of instructions over its own keys, whatever shares the call
 (``csrc/exact_attention.cpp``). Where the kernel cannot be built the engine runs the fast
 backend, and the dtype probe's check on the real forward reports that passes are then not
-verified invariant (``engine.model.cpu.probe``).
+verified invariant (``engine.model.bringup.dtype_probe``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ class ExactAttentionBackend(AttentionBackend):
         pages = fb.kv_indices.tolist()
         self._fb = fb
         tables = [pages[indptr[b] : indptr[b + 1]] for b in range(fb.batch_size)]
-        self._native = exact_attention.plan_native(fb.qo_lens, fb.kv_lens, tables, fb.input_ids.device)
+        self._native = exact_attention.plan_native(
+            fb.qo_lens, fb.kv_lens, tables, fb.input_ids.device
+        )
 
     def run(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool

@@ -103,7 +103,7 @@ class ProbeResult:
 
 
 def run_child(dtype: str, limit_s: float | None = None, code: str = _CHILD) -> DtypeReport | None:
-    """``probe_child.measure_in_process(dtype)`` in a child process; None if it crashes or
+    """``dtype_probe_child.measure_in_process(dtype)`` in a child process; None if it crashes or
     hangs."""
     try:
         proc = subprocess.run(

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names for type checkers (``X as X``: re-exported)
     from engine.config import EngineConfig as EngineConfig
-    from engine.model.cpu.machine import cache_root as cache_root
+    from engine.model.bringup.load import load_model as load_model
+    from engine.model.cache_root import cache_root as cache_root
     from engine.model.kv_pool import KVPool as KVPool
     from engine.model.loader import ModelFront as ModelFront
     from engine.model.loader import bundled_gguf_path as bundled_gguf_path
     from engine.model.loader import checkpoint_dir as checkpoint_dir
     from engine.model.loader import load_front as load_front
     from engine.model.loader import load_hf_reference as load_hf_reference
-    from engine.model.loader import load_model as load_model
     from engine.serving import tools as tools
     from engine.serving.chat import ChatSession as ChatSession
     from engine.serving.chat import continue_tokens as continue_tokens
@@ -53,11 +53,11 @@ _HOMES_BY_MODULE = {
     "engine.serving.prompts": ("PromptPreparer",),
     # models and the machine, for front ends and benchmarks
     "engine.model.loader": (
-        "ModelFront", "load_front", "load_model", "load_hf_reference", "bundled_gguf_path",
-        "checkpoint_dir",
+        "ModelFront", "load_front", "load_hf_reference", "bundled_gguf_path", "checkpoint_dir",
     ),
+    "engine.model.bringup.load": ("load_model",),
     "engine.model.kv_pool": ("KVPool",),
-    "engine.model.cpu.machine": ("cache_root",),
+    "engine.model.cache_root": ("cache_root",),
 }
 _HOMES = {name: module for module, names in _HOMES_BY_MODULE.items() for name in names}
 # Namespaces: a module under a name of its own.

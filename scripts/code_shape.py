@@ -1,8 +1,8 @@
 """The code's shape in numbers, for a refactor's before/after: lines per part, the file-level
 import cycles among our modules, which engine internals the packages above it import, the
-model core's imports of a platform folder (``engine/model/cpu``, ``engine/model/cuda``) or of
-a floor above it, the branches on a device's type outside the platform folders, and the size
-of the serving core's biggest objects.
+model core's imports of a platform folder (``engine/model/cpu``, ``engine/model/cuda``), of the
+bring-up above them (``engine/model/bringup``) or of a floor above it, the branches on a
+device's type outside the platform folders, and the size of the serving core's biggest objects.
 
     python scripts/code_shape.py [ROOT]
 """
@@ -138,25 +138,31 @@ def main(root: Path) -> None:
 
 
 PLATFORMS = ("engine.model.cpu", "engine.model.cuda")
+BRINGUP = "engine.model.bringup"  # above the platforms: the one place that knows both
 
 
 def in_platform(module: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in PLATFORMS)
 
 
+def in_bringup(module: str) -> bool:
+    return module == BRINGUP or module.startswith(BRINGUP + ".")
+
+
 def model_core_reaches(root: Path) -> list[str]:
     """Imports (type-only ones too) from a module of engine/model outside the platform
-    folders into a platform folder, or up into the engine's floors above the model."""
+    folders and the bring-up into a platform folder, the bring-up, or up into the engine's
+    floors above the model."""
     lib = sorted((root / "engine").rglob("*.py"))
     modules = {module_name(root, p) for p in lib}
     found = []
     for path in lib:
         name = module_name(root, path)
-        if not name.startswith("engine.model") or in_platform(name):
+        if not name.startswith("engine.model") or in_platform(name) or in_bringup(name):
             continue
         for dep in sorted(imports_of(root, path, modules, True)):
             up = dep == "engine" or dep == "engine.config" or dep.startswith("engine.serving")
-            if in_platform(dep) or up:
+            if in_platform(dep) or in_bringup(dep) or up:
                 found.append(f"{name} -> {dep}")
     return found
 

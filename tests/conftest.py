@@ -21,7 +21,7 @@ def _one_thread() -> None:
 @pytest.fixture(scope="session")
 def loaded_fp32() -> Any:
     """Our model for the bundled SmolLM2, float32 on the CPU (exactness tests)."""
-    from engine.model.loader import load_model
+    from engine.model.bringup.load import load_model
 
     _one_thread()
     return load_model(None, "cpu", "float32")

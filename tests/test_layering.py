@@ -1,6 +1,8 @@
 """The import direction of docs/ARCHITECTURE.md holds: radix <- scheduler <- engine.api <-
 engine.model <- engine.serving <- server <- cluster, and nothing below imports what sits above
-it; engine.api (the seam's words) is a leaf of the engine."""
+it; engine.api (the seam's words) is a leaf of the engine. Inside engine.model the core sees
+neither platform (cpu, cuda) nor the bring-up, the platforms see neither each other nor the
+bring-up, and the model side has no import cycle."""
 
 from __future__ import annotations
 
@@ -21,7 +23,23 @@ FORBIDDEN = {
         "engine.model", "engine.serving", "engine.config", "server", "cluster", "workloads",
         "torch",
     ),
-    "engine/model": ("engine.serving", "server", "cluster", "workloads"),
+    # the model core runs on any device: what differs is asked of the platform interface,
+    # and values from above (the config) are passed in
+    "engine/model": (
+        "engine.model.cpu", "engine.model.cuda", "engine.model.bringup", "engine.serving",
+        "engine.config", "server", "cluster", "workloads",
+    ),
+    # the platforms: each over the core alone
+    "engine/model/cpu": (
+        "engine.model.cuda", "engine.model.bringup", "engine.serving", "engine.config", "server",
+        "cluster", "workloads",
+    ),
+    "engine/model/cuda": (
+        "engine.model.cpu", "engine.model.bringup", "engine.serving", "engine.config", "server",
+        "cluster", "workloads",
+    ),
+    # the bring-up: the one place that knows both platforms, below the serving side
+    "engine/model/bringup": ("engine.serving", "server", "cluster", "workloads"),
     "engine/serving": ("server", "cluster", "workloads"),
     # server sees only the engine (SamplingParams too comes from there); cluster reads radix's
     # KV events and page hashes by design, so it is not held to this.
@@ -47,15 +65,70 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
+def floor_files(floor: str) -> list[Path]:
+    """The floor's modules, without those of the floors inside its folder (engine/model's
+    platforms and bring-up are floors of their own)."""
+    inner = [ROOT / other for other in FORBIDDEN if other.startswith(floor + "/")]
+    return [
+        path for path in sorted((ROOT / floor).rglob("*.py"))
+        if not any(path.is_relative_to(folder) for folder in inner)
+    ]
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_packages_import_only_what_sits_below_them(package: str) -> None:
     bad = []
-    for path in sorted((ROOT / package).rglob("*.py")):
+    for path in floor_files(package):
         for module in imported_modules(path):
             for banned in FORBIDDEN[package]:
                 if module == banned or module.startswith(banned + "."):
                     bad.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_model_side_has_no_import_cycle() -> None:
+    """engine/model's modules, type-only imports included: a module reached again on the way
+    from itself is a cycle (the step buffers and the forward batch were one)."""
+    folder = ROOT / "engine" / "model"
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in folder.rglob("*.py")
+    }
+
+    def ours(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def deps(name: str, path: Path) -> set[str]:
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        # a module itself and its own package (its __init__) are no edge back to it
+        return {
+            d for m in found if (d := ours(m)) and d != name and not name.startswith(d + ".")
+        }
+
+    graph = {name: deps(name, path) for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in done:
+            return None
+        for dep in sorted(graph[name]):
+            cycle = visit(dep, path + [name])
+            if cycle:
+                return cycle
+        done.add(name)
+        return None
+
+    cycles = [c for name in sorted(graph) if (c := visit(name, []))]
+    assert not cycles, " -> ".join(cycles[0])
 
 
 def test_the_routing_core_runs_without_ray_or_torch() -> None:

@@ -1,9 +1,10 @@
 """The model side of the engine: tensors in, tokens out.
 
-Loading a checkpoint (``loader``, ``model_config``), the Llama-family forward over paged KV
-(``llama``, ``forward_batch``, ``kv_pool``, ``attention``), sampling (``sampler``), one pass
-per scheduler batch (``runner``), and what is measured per machine to run it fast and exact
-(``probe`` and the ``probe_child`` it runs, ``invariance``, ``threads``; the machine's
-identity, memory and cache root: ``machine``). It knows nothing of requests' lifetimes, text
-or callers.
+The core here runs on any device: loading a checkpoint (``loader``, ``model_config``), the
+Llama-family forward over paged KV (``llama``, ``forward_batch``, ``kv_pool``, ``attention``),
+sampling (``sampler``), one pass per scheduler batch (``runner``). What differs by device is
+asked of a ``platform`` (the interface: ``platform``), which ``cpu`` and ``cuda`` provide; what
+is decided and verified once per engine or machine (the platform chosen, the pool sized, the
+dtype measured, invariance checked) is the bring-up's (``bringup``), above the runner. It knows
+nothing of requests' lifetimes, text or callers.
 """

@@ -13,6 +13,14 @@ from collections.abc import Sequence
 
 import torch
 
+# Where tensors made from Python values live.
+HOST = torch.device("cpu")
+
+
+def on_host(device: torch.device) -> bool:
+    """Whether ``device``'s memory is the host's: a tensor made here needs no copy there."""
+    return device.type == HOST.type
+
 
 def on_device(
     values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
@@ -22,9 +30,9 @@ def on_device(
 
 
 def queued(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``host`` (pinned, on CUDA) and its copy on ``device``, queued rather than waited for;
-    on a CPU both are ``host``."""
-    if device.type != "cuda":
+    """``host`` (pinned) and its copy on ``device``, queued rather than waited for; on the
+    host both are ``host``."""
+    if on_host(device):
         return host, host
     host = host.pin_memory()
     return host, host.to(device, non_blocking=True)

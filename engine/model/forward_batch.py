@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from scheduler.batch import Batch
-
-if TYPE_CHECKING:
-    from engine.model.cuda.step_buffers import StepBuffers
 
 # The integers of one pass, in the order a packed buffer lays them out: 64-bit fields, then
 # FlashInfer's 32-bit ones, the page list last (its length varies the most).
@@ -27,6 +25,15 @@ INDEX_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("append_positions", torch.int32),
     ("kv_indices", torch.int32),
 )
+
+
+class IndexPacker(Protocol):
+    """Puts a pass's integers on the device in one copy (a platform's step buffers): the
+    fields of ``INDEX_FIELDS`` as (device views, host views), each as long as its values."""
+
+    def pack(
+        self, values: Mapping[str, Sequence[int]]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]: ...
 
 
 @dataclass
@@ -184,7 +191,7 @@ class ForwardBatch:
 
     @classmethod
     def from_batch(
-        cls, batch: Batch, device: str | torch.device = "cpu", buffers: StepBuffers | None = None
+        cls, batch: Batch, device: str | torch.device = "cpu", buffers: IndexPacker | None = None
     ) -> ForwardBatch:
         """Tensors for a scheduler ``Batch``; raises ValueError on inconsistent page tables.
         With ``buffers`` every integer goes to the device in one packed copy."""
@@ -193,7 +200,7 @@ class ForwardBatch:
     @classmethod
     def from_index(
         cls, index: StepIndex, device: str | torch.device = "cpu",
-        buffers: StepBuffers | None = None,
+        buffers: IndexPacker | None = None,
     ) -> ForwardBatch:
         if buffers is not None:
             on_device, on_host = buffers.pack(index.values())

@@ -83,14 +83,6 @@ class KVPool:
         per_page = KVPool.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
         return num_bytes // per_page
 
-    @staticmethod
-    def cuda_budget_bytes(fraction: float = 0.8, device: str | torch.device = "cuda") -> int:
-        """``fraction`` of the GPU memory free now (call after the weights are loaded)."""
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"fraction: must be in (0, 1], got {fraction}")
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * fraction)
-
     @property
     def num_bytes(self) -> int:
         per_page = self.bytes_per_page(

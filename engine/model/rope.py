@@ -2,7 +2,7 @@
 
 Half-split layout (transformers' ``rotate_half``): a head's pairs are (i, i + D/2). The
 native attention kernel applies the same rotation itself, fused with the K/V write
-(``engine.model.attention.native``); this module's ``apply_rope_`` serves the other backends.
+(``engine.model.cpu.exact_attention``); this module's ``apply_rope_`` serves the other backends.
 """
 
 from __future__ import annotations

@@ -11,25 +11,18 @@ from typing import Any
 import torch
 
 from engine.api.outputs import TokenLogprob
-from engine.model.attention import create_backend
 from engine.model.attention.base import AttentionBackend
-from engine.model.cpu.products import load_products
-from engine.model.cpu.threads import ThreadPolicy
-from engine.model.cuda.flashinfer_backend import FlashInferBackend
-from engine.model.cuda.graphs import DecodeGraphs
-from engine.model.cuda.step_buffers import StepBuffers
 from engine.model.device_copy import on_device
 from engine.model.forward_batch import ForwardBatch, StepIndex
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
+from engine.model.platform import GraphedPasses, Platform
 from engine.model.sampler import Sampler, sampled_with_logprobs, token_logprobs
 from engine.model.structured import Grammars
 from scheduler.batch import Batch, BatchEntry, slots_for
 
 log = logging.getLogger("radixkv.engine")
 
-# Rows of the largest verify graph (its logits: rows x vocabulary floats, ~100 MB at 512).
-MAX_VERIFY_ROWS = 512
 # Prompt rows scored at once: bounds the log-softmax's memory (rows x vocabulary floats).
 _SCORE_ROWS = 256
 
@@ -50,12 +43,12 @@ class StepResult:
 class ModelRunner:
     """Runs ``loaded.model`` over a scheduler ``Batch`` with K/V in ``pool`` and samples.
 
-    On the CPU the model's matrix products are our own (``engine.model.cpu.products``), packed
-    once per model; with a ``threads`` policy each pass sets torch's intra-op threads for its
-    size and our products split their columns over all ``threads.max_threads`` (one call per
-    product, so no thread team per small op). With ``batch_invariant`` attention is the exact
-    kernel too (``engine.model.attention.native``): every pass is then batch-invariant by
-    construction, which the dtype probe verifies on each machine (``engine.model.cpu.probe``).
+    What differs by device comes from ``platform`` (``engine.model.platform``): the attention
+    backend ``backend`` names, products packed once per model where the platform has its own
+    (the CPU's batch-invariant ones), the threads each pass runs on, the one copy a pass's
+    integers take to the device, and the decode graphs. With ``batch_invariant`` every pass is
+    batch-invariant where both the products and the attention are (the bring-up verifies it
+    before an engine serves: ``engine.model.bringup``).
 
     Batches come from the scheduler, whose requests were validated at the engine's boundary,
     so nothing is re-checked per step (such checks read tensors back to the host, which
@@ -66,9 +59,9 @@ class ModelRunner:
         self,
         loaded: LoadedModel,
         pool: KVPool,
+        platform: Platform,
         backend: str = "torch",
         seed: int | None = None,
-        threads: ThreadPolicy | None = None,
         batch_invariant: bool = False,
         debug_checks: bool | None = None,
         grammars: Grammars | None = None,
@@ -91,24 +84,23 @@ class ModelRunner:
             raise ValueError(f"pool: on {pool.device}, model on {loaded.device}")
         self.loaded = loaded
         self.pool = pool
-        native_dtype = loaded.dtype in (torch.float32, torch.bfloat16)
-        if loaded.device.type == "cpu" and native_dtype and loaded.model.products is None:
-            kernel = load_products()
-            if kernel is not None:
-                loaded.model.use_native_products(kernel)
-        self.threads = threads if loaded.device.type == "cpu" else None
-        self.product_threads = threads.max_threads if self.threads is not None else 1
-        self.backend = create_backend(
-            backend, cfg, loaded.device, batch_invariant, self.product_threads, loaded.dtype
+        self.platform = platform
+        if loaded.model.products is None:  # a model shared by engines is packed once
+            packer = platform.packer(loaded.dtype)
+            if packer is not None:
+                loaded.model.use_packed_products(packer)
+        self.product_threads = platform.product_threads
+        self.backend = platform.attention_backend(
+            backend, cfg, batch_invariant, self.product_threads, loaded.dtype
         )
-        # On the CPU invariant only where both products and attention are ours (the probe
-        # verifies it); on CUDA where the attention plan is deterministic (cuBLAS rows do not
-        # depend on the row count there: the device check verifies the whole forward).
-        products_invariant = loaded.model.products is not None or loaded.device.type == "cuda"
+        # Invariant only where both the products (the platform's own, or the vendor's where
+        # its rows do not depend on the row count) and the attention plan are.
+        products_invariant = (
+            loaded.model.products is not None or platform.torch_products_invariant
+        )
         self.batch_invariant = batch_invariant and products_invariant and self.backend.exact
-        # On CUDA a pass's integers go to the device in one packed copy.
-        self.buffers = StepBuffers(loaded.device) if loaded.device.type == "cuda" else None
-        self.graphs: DecodeGraphs | None = None
+        self.buffers = platform.step_buffers()  # a pass's integers in one copy, where it pays
+        self.graphs: GraphedPasses | None = None
         if cuda_graphs:
             self.graphs = self._decode_graphs_or_eager(max_batch, max_verify_rows)
         self.sampler = Sampler(seed)
@@ -118,7 +110,7 @@ class ModelRunner:
             debug_checks = os.environ.get("RADIXKV_DEBUG_CHECKS", "0") not in ("", "0")
         self.debug_checks = debug_checks
 
-    def _decode_graphs_or_eager(self, max_batch: int, max_rows: int) -> DecodeGraphs | None:
+    def _decode_graphs_or_eager(self, max_batch: int, max_rows: int) -> GraphedPasses | None:
         """The decode graphs, or None (decode runs eagerly) when building or capturing them
         fails on this device: a slower engine that says why, not one that cannot start.
         A misconfiguration (``ValueError``) is still the caller's error."""
@@ -127,8 +119,7 @@ class ModelRunner:
         except ValueError:
             raise
         except Exception as error:  # a CUDA, cuBLAS or FlashInfer error while capturing
-            if self.loaded.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.platform.release_cached_memory()
             message = (
                 f"cuda_graphs: capturing the decode graphs failed on {self.loaded.device} "
                 f"({type(error).__name__}: {error}); decode steps run eagerly"
@@ -140,18 +131,12 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         """Decode steps run eagerly from now on (the graphs' memory is released)."""
         self.graphs = None
-        if self.loaded.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.platform.release_cached_memory()
 
-    def _decode_graphs(self, max_batch: int, max_rows: int) -> DecodeGraphs:
-        """Decode graphs over FlashInfer wrappers twinned from the runner's backend (on the
-        CPU: the same buffers and plans, uncaptured); verify graphs of up to ``max_rows`` rows
-        where the plan is deterministic (speculation runs only there; the default plan's graph
-        wrappers are FlashInfer's decode wrapper, one row per entry). A batch-invariant runner
-        checks each bucket's first replay against its eager pass."""
-        backend = self.backend
-        if not isinstance(backend, FlashInferBackend):
-            raise ValueError(f"cuda_graphs: needs the flashinfer backend, not {backend.name!r}")
+    def _decode_graphs(self, max_batch: int, max_rows: int) -> GraphedPasses:
+        """The platform's decode graphs over the runner's backend, with verify graphs of up
+        to ``max_rows`` rows where it makes them. A batch-invariant runner checks each
+        bucket's first replay against its eager pass."""
         cfg = self.loaded.config
         context = min(int(cfg.max_position_embeddings), self.pool.num_pages * self.pool.page_size)
         model = self.loaded.model
@@ -160,11 +145,9 @@ class ModelRunner:
         def forward(fb: ForwardBatch, attention: AttentionBackend) -> torch.Tensor:
             return model.forward_planned(fb, self.pool, attention, threads)
 
-        return DecodeGraphs(
-            self.pool, backend.graph_twin, forward, max_batch,
-            -(-context // self.pool.page_size), capture=self.loaded.device.type == "cuda",
-            eager=self._eager if self.batch_invariant else None,
-            max_rows=min(max_rows, MAX_VERIFY_ROWS) if backend.deterministic else 0,
+        return self.platform.decode_graphs(
+            self.backend, self.pool, forward, self._eager if self.batch_invariant else None,
+            max_batch, -(-context // self.pool.page_size), max_rows,
         )
 
     def _eager(self, index: StepIndex) -> torch.Tensor:
@@ -179,8 +162,7 @@ class ModelRunner:
         index = StepIndex.of(batch)
         if self.debug_checks:
             self._check(batch, ForwardBatch.from_index(index))
-        if self.threads is not None:
-            self.threads.apply(len(index.input_ids))
+        self.platform.pass_threads(len(index.input_ids))
         if self.graphs is not None:
             shape = self.graphs.shape_for(index)
             if shape is not None:

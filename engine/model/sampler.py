@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.api.outputs import TokenLogprob
-from engine.model.device_copy import on_device
+from engine.model.device_copy import on_device, on_host
 from engine.model.logit_adjust import adjust_logits
 from scheduler.params import GREEDY_BELOW, SamplingParams
 
@@ -133,12 +133,13 @@ class _RowParams:
         ]
         floats = [[p.temperature for p in params], [p.top_p for p in params],
                   [p.min_p for p in params]]
-        host = torch.empty(n * 36, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        copied = not on_host(device)  # pinned: the copy is one DMA, queued behind the pass
+        host = torch.empty(n * 36, dtype=torch.uint8, pin_memory=copied)
         host[: n * 24].view(torch.int64).view(3, n).copy_(torch.tensor(ints, dtype=torch.int64))
         host[n * 24 :].view(torch.float32).view(3, n).copy_(
             torch.tensor(floats, dtype=torch.float32)
         )
-        moved = host.to(device, non_blocking=True) if device.type != "cpu" else host
+        moved = host.to(device, non_blocking=True) if copied else host
         i64 = moved[: n * 24].view(torch.int64).view(3, n)
         f32 = moved[n * 24 :].view(torch.float32).view(3, n)
         return cls(f32[0], f32[1], f32[2], i64[0], i64[1], i64[2])

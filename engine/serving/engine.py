@@ -29,8 +29,15 @@ from engine.api import (
 from engine.api.handle import outputs_or_raise
 from engine.api.inspector import InspectSnapshot
 from engine.config import EngineConfig
-from engine.model.build import build_pool, build_runner, verified_invariant, warn_if_slow_dtype
-from engine.model.loader import LoadedModel, load_model
+from engine.model.bringup.build import (
+    build_platform,
+    build_pool,
+    build_runner,
+    verified_invariant,
+    warn_if_slow_dtype,
+)
+from engine.model.bringup.load import load_model
+from engine.model.loader import LoadedModel
 from engine.model.structured import Grammars
 from engine.serving.detokenizer import IncrementalDetokenizer
 from engine.serving.inspector import InspectOrder
@@ -80,7 +87,8 @@ class Engine:
         config = (config or EngineConfig()).replace(**overrides)
         self._engine_config = config
         loaded = loaded_model or load_model(config.model, config.device, config.dtype)
-        warn_if_slow_dtype(loaded.device, loaded.dtype)
+        self._platform = platform = build_platform(loaded, config)
+        warn_if_slow_dtype(platform, loaded.dtype)
         self._tokenizer = loaded.tokenizer
         self._config = loaded.config
         grammars = Grammars(loaded.tokenizer)  # structured outputs: checked here, masked there
@@ -90,13 +98,13 @@ class Engine:
         )
         self._device = loaded.device
         self._dtype = loaded.dtype
-        pool = build_pool(loaded, config)
-        tiers = build_tiers(loaded, pool, config)
+        pool = build_pool(loaded, config, platform)
+        tiers = build_tiers(loaded, pool, config, platform)
         kv = KVManager(
             pool.num_pages, config.page_size, config.prefix_cache, tiers,
             config.max_pinned_fraction,
         )
-        runner = build_runner(loaded, pool, config, grammars)
+        runner = build_runner(loaded, pool, config, platform, grammars)
         self._batch_invariant = runner.batch_invariant and verified_invariant(
             loaded, config.batch_invariant, runner
         )
@@ -447,8 +455,7 @@ class Engine:
         on another thread dies in torch's teardown (SIGABRT)."""
         with self._closing:
             self._finalizer()
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._platform.release_cached_memory()
 
     @property
     def closed(self) -> bool:

@@ -19,13 +19,16 @@ import xxhash
 from engine.config import EngineConfig
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
+from engine.model.platform import Platform
 from radix.tiers import DiskStore, HostStore, KVTiers
 from radix.tiers.disk import ensure_directory
 
 STORE_FORMAT = 1
 
 
-def build_tiers(loaded: LoadedModel, pool: KVPool, config: EngineConfig) -> KVTiers | None:
+def build_tiers(
+    loaded: LoadedModel, pool: KVPool, config: EngineConfig, platform: Platform
+) -> KVTiers | None:
     """The tiers the config asks for, or None (an evicted page is then recomputed)."""
     kv_host_bytes, kv_disk_dir = config.kv_host_bytes, config.kv_disk_dir
     host = HostStore(kv_host_bytes) if kv_host_bytes else None
@@ -34,7 +37,7 @@ def build_tiers(loaded: LoadedModel, pool: KVPool, config: EngineConfig) -> KVTi
         directory = Path(kv_disk_dir).expanduser()
         ensure_directory(directory)  # its free space sizes the default budget
         kv_disk_bytes = config.disk_budget(directory)
-        meta = store_meta(loaded, pool)
+        meta = store_meta(loaded, pool, platform)
         key = xxhash.xxh64(json.dumps(meta, sort_keys=True).encode()).hexdigest()
         disk = DiskStore(directory, kv_disk_bytes, key)
         disk.write_manifest(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -43,17 +46,8 @@ def build_tiers(loaded: LoadedModel, pool: KVPool, config: EngineConfig) -> KVTi
     return KVTiers(pool, pool.page_size, host, disk)
 
 
-def store_meta(loaded: LoadedModel, pool: KVPool) -> dict[str, Any]:
+def store_meta(loaded: LoadedModel, pool: KVPool, platform: Platform) -> dict[str, Any]:
     """What a page's KV depends on besides its tokens (the disk store's key is its hash)."""
-    machine = loaded.device.type
-    if loaded.device.type == "cpu":
-        from engine.model.cpu.machine import machine_key
-        from engine.model.cpu.probe import kernels_key
-
-        # the kernels that computed the KV: the machine and the kernels' sources
-        machine = f"cpu-{machine_key()}-{kernels_key()}-{loaded.model.products or 'torch'}"
-    elif loaded.device.type == "cuda":
-        machine = f"cuda-{torch.cuda.get_device_name(loaded.device)}-{torch.__version__}"
     return {
         "format": STORE_FORMAT,
         "weights": weights_fingerprint(loaded.model),
@@ -63,7 +57,7 @@ def store_meta(loaded: LoadedModel, pool: KVPool) -> dict[str, Any]:
         "layers": pool.num_layers,
         "kv_heads": pool.num_kv_heads,
         "head_dim": pool.head_dim,
-        "machine": machine,
+        "machine": platform.kv_identity(loaded.model.products),
     }
 
 

@@ -38,8 +38,6 @@ from engine.api import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.model.cpu.malloc_tuning import keep_freed_memory
-from engine.model.cpu.threads import release_openmp_team
 from engine.model.runner import ModelRunner
 from engine.model.structured import GrammarError
 from engine.serving.detokenizer import IncrementalDetokenizer
@@ -133,10 +131,8 @@ class EngineLoop:
         self._step_failures = 0
         self._stats: EngineStats = snapshot(scheduler, 0)
         self._inspection = LoopInspection(scheduler)
-        # The constructing thread loaded and checked the model: its idle OpenMP team would
-        # slow every parallel region of the loop's (``release_openmp_team``).
-        release_openmp_team()
-        keep_freed_memory()  # a pass's freed buffers serve the next pass without page faults
+        self._platform = runner.platform
+        self._platform.on_loop_start()  # the device's settings for serving (CPU: threads, heap)
         self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop", daemon=True)
         self._thread.start()
 
@@ -263,7 +259,7 @@ class EngineLoop:
             if not self._has_work():
                 if not idle_checked:
                     self._scheduler.check_integrity()
-                    release_openmp_team()  # idle: another engine's loop may be busy
+                    self._platform.on_loop_idle()  # idle: another engine's loop may be busy
                     idle_checked = True
                 self._publish()
                 self._mark_idle_if_quiet()

@@ -1,13 +1,18 @@
-"""Passes over a pool of random K/V for the FlashInfer backend's tests (CPU and CUDA)."""
+"""Passes over a pool of random K/V for the FlashInfer backend's tests (CPU and CUDA), and
+runners on FlashInfer's path."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
+from engine.model.bringup.platforms import platform_for
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
+from engine.model.loader import LoadedModel
+from engine.model.runner import ModelRunner
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request
@@ -17,6 +22,13 @@ HQ, HKV, D = 9, 3, 64  # the bundled model's heads: 9 query heads over 3 KV head
 # (cached tokens, new tokens) per request: prefill chunks, fresh prompts and decodes together.
 MIXED_SHAPES = [(0, 9), (17, 1), (5, 12), (0, 1), (31, 1), (16, 16), (40, 3)]
 DECODE_LENGTHS = [1, 2, 17, 64, 65, 300]
+
+
+def flashinfer_runner(loaded: LoadedModel, pool: KVPool, **options: Any) -> ModelRunner:
+    """A runner on the flashinfer backend over ``pool`` (on the CPU its torch reference, the
+    CUDA platform's path over the CPU's products), with ``ModelRunner``'s ``options``."""
+    platform = platform_for(loaded.device, "flashinfer")
+    return ModelRunner(loaded, pool, platform, backend="flashinfer", **options)
 
 
 def build_pass(

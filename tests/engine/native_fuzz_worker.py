@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from engine.model.attention import native
-from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, load_products
+from engine.model.cpu import exact_attention
+from engine.model.cpu.products import load_products
+from engine.model.platform import NONE, RMSNORM, SILU_MUL
 
 CPU = torch.device("cpu")
 
@@ -73,7 +74,7 @@ def _attention_call(entry: str, mutation: str, rng: random.Random, threads: int)
     pages = sum(need) + 1
     free = rng.sample(range(pages), pages)
     tables = [[free.pop() for _ in range(n)] for n in need]
-    plan = native.plan_native(qo, kv, tables, CPU)
+    plan = exact_attention.plan_native(qo, kv, tables, CPU)
     dtype = rng.choice([torch.float32, torch.bfloat16])
     k = torch.randn(pages, page_size, hkv, dim).to(dtype)
     v = torch.randn(pages, page_size, hkv, dim).to(dtype)
@@ -283,7 +284,7 @@ KERNELS: dict[str, Any] = {}
 
 
 def main() -> None:
-    KERNELS["attention"] = native.load_kernel()
+    KERNELS["attention"] = exact_attention.load_kernel()
     KERNELS["products"] = load_products()
     missing = [name for name, k in KERNELS.items() if k is None]
     print(json.dumps({"ready": not missing, "missing": missing}), flush=True)

@@ -63,11 +63,12 @@ def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
     """Four questions under one ~400-token system prompt decode together: the shared prefix is
     read once for all four (the native kernel's shared gathers; where the kernel cannot be
     built, the fast backend's cascade) and the answers are still transformers' own."""
-    from engine.model.attention import native, torch_backend
+    from engine.model.attention import torch_backend
+    from engine.model.cpu import exact_attention
 
     calls = []
     if kernel == "fast":
-        monkeypatch.setattr(native, "load_kernel", lambda: None)
+        monkeypatch.setattr(exact_attention, "load_kernel", lambda: None)
         real = torch_backend.plan_cascade
 
         def counting(*args, **kwargs):
@@ -78,7 +79,7 @@ def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
 
         monkeypatch.setattr(torch_backend, "plan_cascade", counting)
     else:
-        real_plan = native.plan_native
+        real_plan = exact_attention.plan_native
 
         def recording(qo_lens, kv_lens, tables, device):
             plan = real_plan(qo_lens, kv_lens, tables, device)
@@ -93,7 +94,7 @@ def test_greedy_matches_transformers_when_decodes_share_a_long_prefix(
                     calls.append(common * 16)
             return plan
 
-        monkeypatch.setattr(native, "plan_native", recording)
+        monkeypatch.setattr(exact_attention, "plan_native", recording)
     conversations, ids = under_long_system_prompt(tokenizer)
     assert len(ids[0]) > 400
     eng = make_engine(page_size=16, num_pages=160)

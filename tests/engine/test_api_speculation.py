@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engine import Engine, SamplingParams
 from engine.api import EngineStats
-from engine.model.cpu.probe import probe
+from engine.model.bringup.dtype_probe import probe
 
 PASSAGE = (
     "Radix trees store the prefixes of token sequences once and share them between requests "
@@ -177,7 +177,7 @@ def test_any_prompt_and_draft_cap_give_plain_answers(
 
 @pytest.fixture(scope="module")
 def loaded_bf16() -> Any:
-    from engine.model.loader import load_model
+    from engine.model.bringup.load import load_model
 
     if probe().reports.get("bfloat16") is None:
         pytest.skip("bfloat16 cannot run on this CPU")

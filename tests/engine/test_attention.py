@@ -9,7 +9,6 @@ import pytest
 import torch
 from decode_cases import run_mixed_batch
 
-from engine.model.attention import create_backend
 from engine.model.attention.torch_backend import (
     MAX_PADDING_RATIO,
     TorchAttentionBackend,
@@ -17,7 +16,6 @@ from engine.model.attention.torch_backend import (
 )
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
-from engine.model.model_config import ModelConfig
 from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
@@ -125,9 +123,3 @@ def test_run_before_plan_raises() -> None:
             torch.zeros(1, HKV, D),
             KVPool(1, 1, 1, HKV, D),
         )
-
-
-def test_unknown_backend_name_raises_value_error() -> None:
-    cfg = ModelConfig("llama", 10, 32, 1, HQ, HKV, D, 64, 1e-5, 1e4, None, 64, True, False)
-    with pytest.raises(ValueError, match="backend"):
-        create_backend("cuda-magic", cfg, torch.device("cpu"))

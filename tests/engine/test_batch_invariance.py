@@ -11,7 +11,8 @@ import torch
 from engine_helpers import CHAT_PROMPTS, assert_idle_accounting, greedy, user
 
 from engine import Engine, SamplingParams
-from engine.model.cpu.probe import probe
+from engine.model.bringup.dtype_probe import probe
+from engine.model.bringup.platforms import platform_for
 from engine.model.cpu.threads import ThreadPolicy
 from engine.model.kv_pool import KVPool
 from engine.model.runner import ModelRunner
@@ -27,7 +28,7 @@ SYSTEM = " ".join(
 def loaded_bf16() -> Any:
     """The model in bfloat16; skipped on a CPU where bf16 crashes (the probe's child died
     there, e.g. a VM that advertises AMX but faults on it)."""
-    from engine.model.loader import load_model
+    from engine.model.bringup.load import load_model
 
     if probe().reports.get("bfloat16") is None:
         pytest.skip("bfloat16 cannot run on this CPU")
@@ -40,7 +41,8 @@ def runner_for(loaded: Any, page_size: int, threads: int = 1) -> ModelRunner:
     pool = KVPool(
         cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
     )
-    return ModelRunner(loaded, pool, threads=ThreadPolicy(threads), batch_invariant=True)
+    platform = platform_for(loaded.device, threads=ThreadPolicy(threads))
+    return ModelRunner(loaded, pool, platform, batch_invariant=True)
 
 
 def last_logits(

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from flashinfer_cases import flashinfer_runner
 
 from engine.model.kv_pool import KVPool
 from engine.model.runner import ModelRunner
@@ -27,7 +28,7 @@ PS = 16
 @pytest.fixture(scope="module")
 def cuda_model() -> Any:
     pytest.importorskip("flashinfer")
-    from engine.model.loader import load_model
+    from engine.model.bringup.load import load_model
 
     return load_model(os.environ.get("RADIXKV_GPU_MODEL"), "cuda", "bfloat16")
 
@@ -36,8 +37,7 @@ def _runner(model: Any, graphs: bool) -> ModelRunner:
     cfg = model.config
     pool = KVPool(cfg.num_layers, 512, PS, cfg.num_kv_heads, cfg.head_dim, model.dtype, "cuda",
                   scratch_pages=1)
-    return ModelRunner(model, pool, backend="flashinfer", batch_invariant=True,
-                       cuda_graphs=graphs, max_batch=16)
+    return flashinfer_runner(model, pool, batch_invariant=True, cuda_graphs=graphs, max_batch=16)
 
 
 def _passes(lengths: list[int]) -> tuple[Batch, Batch]:
@@ -126,8 +126,8 @@ def test_a_verify_pass_in_a_graph_gives_the_eager_logits_bit_for_bit(
     def runner(graphs: bool) -> ModelRunner:
         pool = KVPool(cfg.num_layers, 512, PS, cfg.num_kv_heads, cfg.head_dim, cuda_model.dtype,
                       "cuda", scratch_pages=1)
-        return ModelRunner(cuda_model, pool, backend="flashinfer", batch_invariant=True,
-                           cuda_graphs=graphs, max_batch=16, max_verify_rows=16 * 9)
+        return flashinfer_runner(cuda_model, pool, batch_invariant=True, cuda_graphs=graphs,
+                                 max_batch=16, max_verify_rows=16 * 9)
 
     eager, graphs = runner(False), runner(True)
     prefill, verify = _verify(lengths, drafts)

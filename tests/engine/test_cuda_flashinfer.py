@@ -68,7 +68,7 @@ def test_flashinfer_equals_its_reference_on_the_same_pool_and_pass(
 
 @pytest.fixture(scope="module")
 def cuda_model() -> Any:
-    from engine.model.loader import load_model
+    from engine.model.bringup.load import load_model
 
     return load_model(os.environ.get("RADIXKV_GPU_MODEL"), "cuda", "bfloat16")
 

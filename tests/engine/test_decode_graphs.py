@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from flashinfer_cases import flashinfer_runner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.model.bringup.platforms import platform_for
 from engine.model.cuda.graphs import buckets, pad_index
 from engine.model.cuda.step_buffers import StepBuffers
 from engine.model.forward_batch import INDEX_FIELDS, ForwardBatch, StepIndex
@@ -96,9 +98,9 @@ def runners(loaded_fp32: Any) -> tuple[ModelRunner, ModelRunner]:
         return KVPool(cfg.num_layers, PAGES, PS, cfg.num_kv_heads, cfg.head_dim, torch.float32,
                       scratch_pages=1)
 
-    eager = ModelRunner(loaded_fp32, pool(), backend="flashinfer", batch_invariant=True)
-    graphs = ModelRunner(loaded_fp32, pool(), backend="flashinfer", batch_invariant=True,
-                         cuda_graphs=True, max_batch=8)
+    eager = flashinfer_runner(loaded_fp32, pool(), batch_invariant=True)
+    graphs = flashinfer_runner(loaded_fp32, pool(), batch_invariant=True,
+                               cuda_graphs=True, max_batch=8)
     return eager, graphs
 
 
@@ -168,10 +170,10 @@ def test_graphs_need_a_scratch_page_and_the_flashinfer_backend(loaded_fp32: Any)
     cfg = loaded_fp32.config
     pool = KVPool(cfg.num_layers, 8, PS, cfg.num_kv_heads, cfg.head_dim)
     with pytest.raises(ValueError, match="scratch page"):
-        ModelRunner(loaded_fp32, pool, backend="flashinfer", cuda_graphs=True)
+        flashinfer_runner(loaded_fp32, pool, cuda_graphs=True)
     scratch = KVPool(cfg.num_layers, 8, PS, cfg.num_kv_heads, cfg.head_dim, scratch_pages=1)
     with pytest.raises(ValueError, match="flashinfer"):
-        ModelRunner(loaded_fp32, scratch, backend="torch", cuda_graphs=True)
+        ModelRunner(loaded_fp32, scratch, platform_for(loaded_fp32.device), cuda_graphs=True)
 
 
 def test_the_default_plans_decode_wrapper_runs_in_graph_mode_too(loaded_fp32: Any) -> None:
@@ -182,8 +184,8 @@ def test_the_default_plans_decode_wrapper_runs_in_graph_mode_too(loaded_fp32: An
     def runner(graphs: bool) -> ModelRunner:
         pool = KVPool(cfg.num_layers, PAGES, PS, cfg.num_kv_heads, cfg.head_dim,
                       scratch_pages=1)
-        return ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=False,
-                           cuda_graphs=graphs, max_batch=4)
+        return flashinfer_runner(loaded_fp32, pool, batch_invariant=False,
+                                 cuda_graphs=graphs, max_batch=4)
 
     eager, graphs = runner(False), runner(True)
     assert graphs.graphs is not None
@@ -264,8 +266,8 @@ def test_a_verify_pass_in_a_graph_equals_the_eager_pass_bit_for_bit(
     def runner(graphs: bool) -> ModelRunner:
         pool = KVPool(cfg.num_layers, PAGES, PS, cfg.num_kv_heads, cfg.head_dim,
                       scratch_pages=1)
-        return ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=True,
-                           cuda_graphs=graphs, max_batch=8, max_verify_rows=8 * 9)
+        return flashinfer_runner(loaded_fp32, pool, batch_invariant=True,
+                                 cuda_graphs=graphs, max_batch=8, max_verify_rows=8 * 9)
 
     eager, graphs = runner(False), runner(True)
     assert graphs.graphs is not None
@@ -291,17 +293,17 @@ def test_a_verify_pass_in_a_graph_equals_the_eager_pass_bit_for_bit(
 def test_verify_passes_beyond_the_graphs_run_eagerly(loaded_fp32: Any) -> None:
     cfg = loaded_fp32.config
     pool = KVPool(cfg.num_layers, PAGES, PS, cfg.num_kv_heads, cfg.head_dim, scratch_pages=1)
-    graphs = ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=True,
-                         cuda_graphs=True, max_batch=4, max_verify_rows=12).graphs
+    graphs = flashinfer_runner(loaded_fp32, pool, batch_invariant=True,
+                               cuda_graphs=True, max_batch=4, max_verify_rows=12).graphs
     assert graphs is not None
     assert graphs.shape_for(StepIndex.of(_verify_batch([9, 9], [2, 2]))) == (4, 8)
     assert graphs.shape_for(StepIndex.of(_verify_batch([9, 9], [5, 5]))) is None  # > 12 rows
     assert graphs.shape_for(StepIndex.of(_verify_batch([9] * 4, [1] * 4))) is None  # no pad entry
-    no_verify = ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=True,
-                            cuda_graphs=True, max_batch=4).graphs
+    no_verify = flashinfer_runner(loaded_fp32, pool, batch_invariant=True,
+                                  cuda_graphs=True, max_batch=4).graphs
     assert no_verify is not None
     assert no_verify.shape_for(StepIndex.of(_verify_batch([9, 9], [2, 2]))) is None
     # the default plan's graphs hold FlashInfer's decode wrapper: one row per entry only
-    fast = ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=False,
-                       cuda_graphs=True, max_batch=4, max_verify_rows=12).graphs
+    fast = flashinfer_runner(loaded_fp32, pool, batch_invariant=False,
+                             cuda_graphs=True, max_batch=4, max_verify_rows=12).graphs
     assert fast is not None and fast.max_rows == 4

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from flashinfer_cases import flashinfer_runner
 
-from engine.model.cuda.device_check import cases, check_runner, verify_on_device
+from engine.model.bringup.device_check import cases, check_runner, verify_on_device
 from engine.model.kv_pool import KVPool
 from engine.model.runner import ModelRunner
 
@@ -20,8 +21,8 @@ PS = 16
 def _runner(loaded: Any, pages: int = 120, graphs: bool = True) -> ModelRunner:
     cfg = loaded.config
     pool = KVPool(cfg.num_layers, pages, PS, cfg.num_kv_heads, cfg.head_dim, scratch_pages=1)
-    return ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=True,
-                       cuda_graphs=graphs, max_batch=8)
+    return flashinfer_runner(loaded, pool, batch_invariant=True,
+                             cuda_graphs=graphs, max_batch=8)
 
 
 def test_the_check_covers_decode_graph_buckets_and_mixed_passes() -> None:
@@ -88,7 +89,7 @@ def test_a_pool_too_small_for_the_check_is_reported_not_passed(loaded_fp32: Any)
 def test_a_runner_not_asked_to_be_invariant_is_not_checked(loaded_fp32: Any) -> None:
     cfg = loaded_fp32.config
     pool = KVPool(cfg.num_layers, 120, PS, cfg.num_kv_heads, cfg.head_dim)
-    runner = ModelRunner(loaded_fp32, pool, backend="flashinfer", batch_invariant=False)
+    runner = flashinfer_runner(loaded_fp32, pool, batch_invariant=False)
     assert not runner.batch_invariant
     assert not verify_on_device(runner)
 
@@ -164,12 +165,12 @@ def test_a_forward_not_invariant_without_graphs_either_keeps_its_graphs_and_fail
 def test_a_capture_that_fails_leaves_a_runner_that_decodes_eagerly(
     loaded_fp32: Any, monkeypatch: Any
 ) -> None:
-    import engine.model.runner as runner_module
+    import engine.model.cuda.platform as cuda_platform
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(runner_module, "DecodeGraphs", failing)
+    monkeypatch.setattr(cuda_platform, "DecodeGraphs", failing)
     with pytest.warns(RuntimeWarning, match="capturing the decode graphs failed.*eagerly"):
         runner = _runner(loaded_fp32)
     assert runner.graphs is None

@@ -1,7 +1,7 @@
 """What FlashInfer's calls need from us beyond their results, checked on the CPU through the
-torch reference: a CUDA-graph twin plans the wrapper its graph captured whatever the pass's
-shape, ``plan`` gets host tables (the cascade's too), and a packed pass's host views stay
-intact while the next pass is packed (FlashInfer copies them asynchronously)."""
+torch reference: a backend in CUDA-graph mode plans the wrapper its graph captured whatever
+the pass's shape, ``plan`` gets host tables (the cascade's too), and a packed pass's host
+views stay intact while the next pass is packed (FlashInfer copies them asynchronously)."""
 
 from __future__ import annotations
 
@@ -36,14 +36,14 @@ def _fixed_buffers() -> StepBuffers:
     return StepBuffers("cpu", {name: 256 for name, _ in INDEX_FIELDS} | {"kv_indices": 1024})
 
 
-def test_a_graph_twin_plans_the_wrapper_it_captured_whatever_the_pass() -> None:
+def test_a_backend_for_a_graph_plans_the_wrapper_it_captured_whatever_the_pass() -> None:
     """The capture pass is all padding (rows of one key: not decode-shaped); a full bucket of
     real decodes is. A graph replays what it captured, so both must plan the same wrapper
     (on CUDA the other one's buffers and schedule would be stale at replay)."""
     for deterministic in (False, True):
         backend = FlashInferBackend(HQ, HKV, D, CPU, reference_ops(), torch.float32,
                                     deterministic=deterministic)
-        twin = backend.graph_twin(4, 64)
+        graph_backend = backend.for_graph(4, 64)
         buffers = _fixed_buffers()
         capture = pad_index(_empty_index(PS), 4, scratch_page=90)
         full = pad_index(_decode_index([3, 20, 17, 40]), 4, scratch_page=90)
@@ -51,9 +51,9 @@ def test_a_graph_twin_plans_the_wrapper_it_captured_whatever_the_pass() -> None:
         assert not capture.decode_shaped and full.decode_shaped
         planned = []
         for index in (capture, full, part):
-            twin.plan(ForwardBatch.from_index(index, CPU, buffers))
-            planned.append(twin._own)
-        want = twin._prefill if deterministic else twin._decode
+            graph_backend.plan(ForwardBatch.from_index(index, CPU, buffers))
+            planned.append(graph_backend._own)
+        want = graph_backend._prefill if deterministic else graph_backend._decode
         assert all(own is want for own in planned), deterministic
 
 

@@ -14,8 +14,9 @@ from flashinfer_cases import HKV, HQ, D, build_pass, clone_pool, requests_for, t
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model.attention import create_backend, native
-from engine.model.attention.exact_backend import ExactAttentionBackend
+from engine.model.bringup.platforms import platform_for
+from engine.model.cpu import exact_attention
+from engine.model.cpu.exact_backend import ExactAttentionBackend
 from engine.model.cuda.flashinfer_backend import FlashInferBackend, reference_ops
 from engine.model.cuda.flashinfer_plan import plan_flashinfer
 from engine.model.cuda.flashinfer_reference import merge_state
@@ -32,7 +33,7 @@ def flashinfer(fb: ForwardBatch, pool: KVPool, q: Any, k: Any, v: Any, **options
 
 
 def exact(fb: ForwardBatch, pool: KVPool, q: Any, k: Any, v: Any) -> Any:
-    kernel = native.load_kernel()
+    kernel = exact_attention.load_kernel()
     if kernel is None:
         pytest.skip("the native attention kernel does not build here")
     backend = ExactAttentionBackend(HQ, HKV, D, CPU, kernel)
@@ -170,8 +171,9 @@ def test_cascade_never_changes_the_attention_of_any_row(
     torch.testing.assert_close(shared, plain, atol=2e-5, rtol=2e-5)
 
 
-def test_create_backend_gives_the_reference_on_the_cpu(loaded_fp32: Any) -> None:
-    backend = create_backend("flashinfer", loaded_fp32.config, CPU)
+def test_the_flashinfer_backend_on_the_cpu_is_its_reference(loaded_fp32: Any) -> None:
+    platform = platform_for(CPU, "flashinfer")
+    backend = platform.attention_backend("flashinfer", loaded_fp32.config, False, 1, torch.float32)
     assert isinstance(backend, FlashInferBackend)
     assert backend.kernel_name == "flashinfer-reference" and not backend.exact
 

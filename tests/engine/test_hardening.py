@@ -153,13 +153,15 @@ def test_breaking_out_of_an_unreferenced_stream_aborts_it(engine) -> None:
 def test_float16_on_the_cpu_warns_that_it_is_slow() -> None:
     import torch
 
-    from engine.model.build import warn_if_slow_dtype
+    from engine.model.bringup.build import warn_if_slow_dtype
+    from engine.model.bringup.platforms import device_platform
 
+    cpu = device_platform(torch.device("cpu"))
     with pytest.warns(RuntimeWarning, match="float16 on the CPU runs several times slower"):
-        warn_if_slow_dtype(torch.device("cpu"), torch.float16)
+        warn_if_slow_dtype(cpu, torch.float16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warn_if_slow_dtype(torch.device("cpu"), torch.float32)
+        warn_if_slow_dtype(cpu, torch.float32)
 
 
 def test_message_tokenisation_is_the_same_from_many_threads_at_once(engine, tokenizer) -> None:

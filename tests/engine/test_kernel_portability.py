@@ -13,12 +13,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from engine.model.attention import native
-from engine.model.cpu import native_build
+from engine.model.cpu import exact_attention, native_build
 from engine.model.cpu.machine import cpu_flags
-from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, PackedWeight
 from engine.model.cpu.products import SELF_TEST as PRODUCTS_SELF_TEST
 from engine.model.cpu.products import SOURCE as PRODUCTS
+from engine.model.cpu.products import PackedWeight
+from engine.model.platform import NONE, RMSNORM, SILU_MUL
 
 FLAGS = cpu_flags()  # empty where /proc/cpuinfo has none
 # x86-64-v3 needs these to run; x86-64 runs on any x86-64 CPU
@@ -37,7 +37,7 @@ def _build(source_kind: str, march: str) -> ModuleType:
     source, prefix, selftest = (
         (PRODUCTS, "radixkv_dense", PRODUCTS_SELF_TEST)
         if source_kind == "products"
-        else (native.SOURCE, "radixkv_exact", native.SELF_TEST)
+        else (exact_attention.SOURCE, "radixkv_exact", exact_attention.SELF_TEST)
     )
     module = native_build.load_native(
         source, f"{prefix}_{tag}", "nothing to compare", march, selftest=selftest
@@ -57,7 +57,7 @@ def products() -> dict[str, ModuleType]:
 
 @pytest.fixture(scope="module")
 def attention() -> dict[str, ModuleType]:
-    native_kernel = native.load_kernel()
+    native_kernel = exact_attention.load_kernel()
     assert native_kernel is not None
     return {"native": native_kernel, **{m: _build("attention", m) for m in TARGETS}}
 
@@ -135,11 +135,11 @@ def test_attention_is_the_same_bits_in_avx512_avx2_and_plain_builds(
     qkv = torch.randn(len(slots), (hkv * group + 2 * hkv) * dim, generator=gen)
     angles = positions[:, None].float() * (10000.0 ** (-torch.arange(0, dim, 2).float() / dim))
     cos, sin = angles.cos(), angles.sin()
-    plan = native.plan_native(qo, lens, tables, torch.device("cpu"))
+    plan = exact_attention.plan_native(qo, lens, tables, torch.device("cpu"))
 
     def run(kernel: ModuleType, threads: int) -> tuple[torch.Tensor, ...]:
         k, v = k_pool.clone(), v_pool.clone()
-        out = native.rope_write_attend(
+        out = exact_attention.rope_write_attend(
             kernel, qkv, cos, sin, slots, k, v, plan, group, dim**-0.5, threads
         )
         return out, k, v

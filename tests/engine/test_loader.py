@@ -9,15 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+from engine.model.attention.torch_backend import TorchAttentionBackend
+from engine.model.bringup.load import load_model, resolve_dtype
+from engine.model.bringup.platforms import resolve_device
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
-from engine.model.loader import (
-    checkpoint_dir,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-    resolve_source,
-)
+from engine.model.loader import checkpoint_dir, resolve_source
 from scheduler import SamplingParams
 from scheduler.batch import Batch
 from scheduler.request import Request
@@ -158,9 +155,8 @@ def test_hf_directory_checkpoints_match_transformers(
     batch = Batch([make_entry(Request(0, ids, SamplingParams(max_new_tokens=4)), ids, 0, list(range(10)), 16)], 16)
     fb = ForwardBatch.from_batch(batch)
     fb.logits_indices = torch.arange(len(ids))
-    from engine.model.attention import create_backend
-
+    backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.device)
     with torch.inference_mode():
-        ours = loaded.model(fb, pool, create_backend("torch", cfg, loaded.device))
+        ours = loaded.model(fb, pool, backend)
         ref = hf(torch.tensor([ids])).logits[0]
     assert float((ours - ref).abs().max()) < 1e-4

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.model.bringup.platforms import platform_for
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.runner import ModelRunner
@@ -53,7 +54,7 @@ def new_runner(loaded: Any, page_size: int, num_tokens: int = 1200) -> tuple[Mod
     cfg = loaded.config
     num_pages = -(-num_tokens // page_size)
     pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    return ModelRunner(loaded, pool), Pages(num_pages)
+    return ModelRunner(loaded, pool, platform_for(loaded.device)), Pages(num_pages)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

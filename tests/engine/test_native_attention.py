@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model.attention import native
+from engine.model.cpu import exact_attention
 
 HKV, G, D = 3, 3, 64
 SCALE = D**-0.5
@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def kernel() -> ModuleType:
-    module = native.load_kernel()
+    module = exact_attention.load_kernel()
     assert module is not None, "the native attention kernel did not build on this machine"
     return module
 
@@ -67,8 +67,8 @@ def attend(
     threads: int = 1,
 ) -> torch.Tensor:
     tables = [pool.table(s, n) for s, n in zip(seqs, kv)]
-    plan = native.plan_native(qo, kv, tables, CPU)
-    return native.attend(kernel, q, pool.k, pool.v, plan, G, SCALE, threads)
+    plan = exact_attention.plan_native(qo, kv, tables, CPU)
+    return exact_attention.attend(kernel, q, pool.k, pool.v, plan, G, SCALE, threads)
 
 
 def softmax_attention(
@@ -171,8 +171,8 @@ def test_decodes_on_shared_prefix_pages_match_the_reference_and_a_lone_decode(
         qq: torch.Tensor, qo: list[int], kv: list[int], seqs: list[int], threads: int = 1
     ) -> torch.Tensor:
         tabs = [tables[s][: -(-n // page_size)] for s, n in zip(seqs, kv)]
-        plan = native.plan_native(qo, kv, tabs, CPU)
-        return native.attend(kernel, qq, k_pool, v_pool, plan, group, scale, threads)
+        plan = exact_attention.plan_native(qo, kv, tabs, CPU)
+        return exact_attention.attend(kernel, qq, k_pool, v_pool, plan, group, scale, threads)
 
     for threads in (1, 2):
         batched = run(q, qo, lens, [0, 1, 2, 3, 4], threads)
@@ -211,8 +211,8 @@ def test_a_decode_read_over_all_kv_heads_at_once_keeps_its_lone_bits(
 
 
 def test_disabled_by_environment_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    assert native.load_kernel() is None
+    monkeypatch.setenv(exact_attention.DISABLE_ENV, "0")
+    assert exact_attention.load_kernel() is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -244,10 +244,10 @@ def test_fused_rope_and_kv_write_equal_the_separate_steps(
     qkv = torch.randn(len(slots), (hq + 2 * HKV) * D, generator=gen)
     angles = positions[:, None].float() * (10000.0 ** (-torch.arange(0, D, 2).float() / D))
     cos, sin = angles.cos(), angles.sin()
-    plan = native.plan_native(qo, lens, tables, CPU)
+    plan = exact_attention.plan_native(qo, lens, tables, CPU)
 
     fused_k, fused_v = k_pool.clone(), v_pool.clone()
-    fused = native.rope_write_attend(
+    fused = exact_attention.rope_write_attend(
         kernel, qkv, cos, sin, slots, fused_k, fused_v, plan, G, SCALE, threads=2
     )
 
@@ -259,17 +259,19 @@ def test_fused_rope_and_kv_write_equal_the_separate_steps(
     torch.testing.assert_close(fused_k.float(), k_pool.float(), rtol=0, atol=1e-6 if
                                dtype == torch.float32 else 0.0)
     assert torch.equal(fused_v, v_pool)
-    separate = native.attend(kernel, qk[:, :hq].contiguous(), k_pool, v_pool, plan, G, SCALE)
+    separate = exact_attention.attend(
+        kernel, qk[:, :hq].contiguous(), k_pool, v_pool, plan, G, SCALE
+    )
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_call_rejects_a_slot_outside_the_pool(kernel: ModuleType) -> None:
     k_pool = torch.zeros(2, 16, HKV, D)
-    plan = native.plan_native([1], [1], [[0]], CPU)
+    plan = exact_attention.plan_native([1], [1], [[0]], CPU)
     qkv = torch.zeros(1, (HKV * G + 2 * HKV) * D)
     half = torch.zeros(1, D // 2)
     with pytest.raises(RuntimeError, match="slots"):
-        native.rope_write_attend(
+        exact_attention.rope_write_attend(
             kernel, qkv, half, half, torch.tensor([32]), k_pool, k_pool.clone(), plan, G, SCALE
         )
 
@@ -323,9 +325,9 @@ def test_parts_keep_the_bits_at_other_head_shapes(
     scale = dim**-0.5
     for rows in (1, 6):
         q = torch.randn(rows, hkv * group, dim, generator=gen)
-        plan = native.plan_native([rows], [length], [table], CPU)
-        cut = native.attend(kernel, q, k_pool, v_pool, plan, group, scale, 2)
-        whole = native.attend(kernel, q, k_pool, v_pool, plan, group, scale, 1)
+        plan = exact_attention.plan_native([rows], [length], [table], CPU)
+        cut = exact_attention.attend(kernel, q, k_pool, v_pool, plan, group, scale, 2)
+        whole = exact_attention.attend(kernel, q, k_pool, v_pool, plan, group, scale, 1)
         assert torch.equal(cut, whole), rows
         for j in range(rows):
             want = softmax_attention(q[j], keys, values, length - rows + j, scale)

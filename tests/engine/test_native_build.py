@@ -9,8 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from engine.model.attention import native
-from engine.model.cpu import native_build
+from engine.model.cpu import exact_attention, native_build
 from engine.model.cpu.products import SOURCE as PRODUCTS
 
 
@@ -20,7 +19,7 @@ def test_a_build_for_another_cpu_or_source_is_never_loaded(
     """The build directory's key changes with the CPU's flags and with the source."""
     key = native_build.fingerprint(PRODUCTS)
     assert key == native_build.fingerprint(PRODUCTS)
-    assert key != native_build.fingerprint(native.SOURCE)
+    assert key != native_build.fingerprint(exact_attention.SOURCE)
     import engine.model.cpu.machine as machine
 
     monkeypatch.setattr(machine, "cpu_info", lambda: ("another CPU", ("fpu", "sse2")))
@@ -36,24 +35,24 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_a_warning(
 ) -> None:
     broken = tmp_path / "exact_attention.cpp"
     broken.write_text("#error this machine cannot build the kernel\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(exact_attention, "SOURCE", broken)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with pytest.warns(RuntimeWarning, match="torch version of exact attention"):
-        assert native.load_kernel() is None
+        assert exact_attention.load_kernel() is None
 
 
 def test_a_finished_build_is_imported_without_building_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Another checkout (the source at another path) starts warm: no compiler is called."""
-    assert native.load_kernel() is not None  # built (or found) once
+    assert exact_attention.load_kernel() is not None  # built (or found) once
 
     def no_build(*args: object) -> ModuleType:
         raise AssertionError("rebuilt an existing kernel")
 
     monkeypatch.setattr(native_build, "_build", no_build)
     monkeypatch.setattr(native_build, "_loaded", {})
-    assert native.load_kernel() is not None
+    assert exact_attention.load_kernel() is not None
 
 
 SELF_TESTS = '''
@@ -74,8 +73,8 @@ def accepts_the_bad_argument(kernel):
 def cache_with_the_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """A cache of its own holding this machine's attention build (no verdicts), and a module
     of fake self-tests importable here and in the child."""
-    assert native.load_kernel() is not None  # built (or found) in the real cache
-    key = native_build.fingerprint(native.SOURCE)
+    assert exact_attention.load_kernel() is not None  # built (or found) in the real cache
+    key = native_build.fingerprint(exact_attention.SOURCE)
     built = native_build.cache_dir() / key / f"radixkv_exact_{key}.so"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     (native_build.cache_dir() / key).mkdir(parents=True)
@@ -94,7 +93,7 @@ def test_a_build_whose_rejected_argument_kills_the_process_is_not_used(
     naming the signal), a warning and the fallback; this process never runs the test."""
     def load() -> ModuleType | None:
         return native_build.load_native(
-            native.SOURCE, "radixkv_exact", "the fallback runs",
+            exact_attention.SOURCE, "radixkv_exact", "the fallback runs",
             selftest="fake_native_selftests:crashes",
         )
 
@@ -114,7 +113,7 @@ def test_a_build_whose_rejected_argument_kills_the_process_is_not_used(
 def test_a_build_that_accepts_a_bad_argument_is_not_used(cache_with_the_build: Path) -> None:
     with pytest.warns(RuntimeWarning, match="a bad slot was accepted"):
         assert native_build.load_native(
-            native.SOURCE, "radixkv_exact", "the fallback runs",
+            exact_attention.SOURCE, "radixkv_exact", "the fallback runs",
             selftest="fake_native_selftests:accepts_the_bad_argument",
         ) is None
 
@@ -124,11 +123,11 @@ def test_the_kernels_pass_their_self_tests_here_and_keep_the_verdict() -> None:
     child, then in this process), and the verdict sits beside each build."""
     from engine.model.cpu.products import load_products, rejects_a_weight_that_does_not_fit
 
-    kernel, products = native.load_kernel(), load_products()
+    kernel, products = exact_attention.load_kernel(), load_products()
     assert kernel is not None and products is not None
-    assert native.rejects_bad_slots_and_pages(kernel) is None
+    assert exact_attention.rejects_bad_slots_and_pages(kernel) is None
     assert rejects_a_weight_that_does_not_fit(products) is None
-    for source in (native.SOURCE, PRODUCTS):
+    for source in (exact_attention.SOURCE, PRODUCTS):
         build = native_build.cache_dir() / native_build.fingerprint(source)
         verdicts = [p.read_text() for p in build.glob("*.selftest-*.json")]
         assert '{"ok": true, "why": null}' in verdicts

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import invariance
-from engine.model.cpu.probe import (
+from engine.model.bringup import invariance
+from engine.model.bringup.dtype_probe import (
     DTYPES,
     DtypeReport,
     ProbeResult,
@@ -19,8 +19,8 @@ from engine.model.cpu.probe import (
     probe,
     run_child,
 )
+from engine.model.bringup.load import resolve_dtype
 from engine.model.cpu.products import PackedWeight
-from engine.model.loader import resolve_dtype
 
 SIGILL_CHILD = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
 
@@ -49,7 +49,7 @@ def test_a_verdict_reached_without_the_native_kernels_is_not_remembered(
 ) -> None:
     """A kernel that failed to load once (a broken build, a failed self-test) must not leave
     a not-invariant verdict under its sources' key for every later engine."""
-    from engine.model.cpu import probe as probe_module
+    from engine.model.bringup import dtype_probe as probe_module
 
     def torch_fallback(dtype: str, limit: float | None) -> DtypeReport | None:
         return DtypeReport(0.1, 1.0, False, 0.0, ("chunked, 1 threads",))

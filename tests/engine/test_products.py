@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model.cpu.products import NONE, RMSNORM, SILU_MUL, PackedWeight, load_products
+from engine.model.cpu.products import PackedWeight, load_products
+from engine.model.platform import NONE, RMSNORM, SILU_MUL
 
 # SmolLM2-135M's products (K, N): fused qkv, o, fused gate/up, down, LM head; and odd sizes.
 MODEL_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.model.bringup.platforms import platform_for
 from engine.model.kv_pool import KVPool
 from engine.model.runner import ModelRunner
 from scheduler import SamplingParams
@@ -25,9 +26,8 @@ CHATS = [
 
 def new_runner(loaded: Any, num_pages: int = 64) -> ModelRunner:
     cfg = loaded.config
-    return ModelRunner(
-        loaded, KVPool(cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim)
-    )
+    pool = KVPool(cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    return ModelRunner(loaded, pool, platform_for(loaded.device))
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
@@ -150,5 +150,6 @@ def test_pool_that_does_not_fit_the_model_is_rejected(loaded_fp32: Any) -> None:
     cfg = loaded_fp32.config
     with pytest.raises(ValueError, match="pool"):
         ModelRunner(
-            loaded_fp32, KVPool(cfg.num_layers - 1, 4, PAGE, cfg.num_kv_heads, cfg.head_dim)
+            loaded_fp32, KVPool(cfg.num_layers - 1, 4, PAGE, cfg.num_kv_heads, cfg.head_dim),
+            platform_for(loaded_fp32.device),
         )

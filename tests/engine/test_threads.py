@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.model.bringup.platforms import platform_for
 from engine.model.cpu.threads import PARALLEL_MIN_TOKENS, ThreadPolicy, release_openmp_team
 from engine.model.kv_pool import KVPool
 from engine.model.runner import ModelRunner
@@ -36,7 +37,8 @@ def test_engine_rejects_a_bad_thread_count_before_loading(make_engine: Any) -> N
 def test_runner_sets_torch_threads_per_pass(loaded_fp32: Any, make_entry: Any) -> None:
     cfg = loaded_fp32.config
     pool = KVPool(cfg.num_layers, 32, 16, cfg.num_kv_heads, cfg.head_dim)
-    runner = ModelRunner(loaded_fp32, pool, threads=ThreadPolicy(2))
+    platform = platform_for(loaded_fp32.device, threads=ThreadPolicy(2))
+    runner = ModelRunner(loaded_fp32, pool, platform)
     before = torch.get_num_threads()
     try:
         big = Request(0, list(range(100, 100 + PARALLEL_MIN_TOKENS)), SamplingParams(max_new_tokens=1))
@@ -73,7 +75,8 @@ def test_a_thread_frees_its_openmp_team_and_its_next_pass_computes_the_same(
     succeed, and a pass after it (on a new team) gives the same bits."""
     cfg = loaded_fp32.config
     pool = KVPool(cfg.num_layers, 32, 16, cfg.num_kv_heads, cfg.head_dim)
-    runner = ModelRunner(loaded_fp32, pool, threads=ThreadPolicy(2), batch_invariant=True)
+    platform = platform_for(loaded_fp32.device, threads=ThreadPolicy(2))
+    runner = ModelRunner(loaded_fp32, pool, platform, batch_invariant=True)
     request = Request(0, list(range(100, 100 + PARALLEL_MIN_TOKENS)), SamplingParams())
     batch = Batch([make_entry(request, request.prompt, 0, list(range(8)), 16)], 16)
     before = torch.get_num_threads()

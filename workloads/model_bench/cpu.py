@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine import KVPool, load_hf_reference, load_model
+from engine.model.bringup.platforms import platform_for
 from engine.model.cpu.malloc_tuning import keep_freed_memory
 from engine.model.cpu.products import PackedWeight, load_products
 from engine.model.cpu.threads import ThreadPolicy
@@ -56,9 +57,8 @@ class OursCase:
         pool = KVPool(
             cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
         )
-        self.runner = ModelRunner(
-            loaded, pool, threads=ThreadPolicy.default(threads), batch_invariant=exact
-        )
+        platform = platform_for(loaded.device, threads=ThreadPolicy.default(threads))
+        self.runner = ModelRunner(loaded, pool, platform, batch_invariant=exact)
 
     def prefill(self, ids: list[int]) -> Callable[[], None]:
         req = Request(0, ids, SamplingParams(max_new_tokens=1))

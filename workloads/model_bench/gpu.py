@@ -39,6 +39,7 @@ import msgspec
 import torch
 
 from engine import KVPool, load_model
+from engine.model.bringup.platforms import platform_for
 from engine.model.cuda.flashinfer_backend import FlashInferBackend, flashinfer_ops, reference_ops
 from engine.model.forward_batch import ForwardBatch
 from engine.model.runner import ModelRunner
@@ -202,13 +203,19 @@ DECODE_MODES = (
 )
 
 
+def flashinfer_runner(loaded: Any, pool: KVPool, **options: Any) -> ModelRunner:
+    """A runner on the flashinfer backend (its torch reference on a CPU)."""
+    platform = platform_for(loaded.device, "flashinfer")
+    return ModelRunner(loaded, pool, platform, backend="flashinfer", **options)
+
+
 def decode_runner(loaded: Any, pages: int, invariant: bool, graphs: bool, max_batch: int,
                   max_verify_rows: int = 0) -> Any:
     cfg = loaded.config
     pool = KVPool(cfg.num_layers, pages, 16, cfg.num_kv_heads, cfg.head_dim, loaded.dtype,
                   loaded.device, scratch_pages=1)
-    return ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=invariant,
-                       cuda_graphs=graphs, max_batch=max_batch, max_verify_rows=max_verify_rows)
+    return flashinfer_runner(loaded, pool, batch_invariant=invariant, cuda_graphs=graphs,
+                             max_batch=max_batch, max_verify_rows=max_verify_rows)
 
 
 def verify_batch(b: int, ctx: int, drafts: int, page_size: int) -> Batch:
@@ -319,7 +326,7 @@ def model_rows(loaded: Any, bandwidth: float, peak: float, sizes: Sizes) -> list
         try:
             pool = KVPool(cfg.num_layers, -(-n // ps) + 8, ps, cfg.num_kv_heads, cfg.head_dim,
                           loaded.dtype, loaded.device)
-            runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=True)
+            runner = flashinfer_runner(loaded, pool, batch_invariant=True)
             req = Request(0, [7] * n, SamplingParams(max_new_tokens=1))
             pages = list(range(-(-n // ps)))
             batch = Batch([BatchEntry.on_pages(req, [7] * n, 0, pages, ps)], ps)
@@ -479,7 +486,7 @@ def logits_identical(loaded: Any, prompts: list[list[int]], invariant: bool) -> 
     need = sum(-(-len(p) // ps) for p in prompts) + 8
     pool = KVPool(cfg.num_layers, need, ps, cfg.num_kv_heads, cfg.head_dim, loaded.dtype,
                   loaded.device)
-    runner = ModelRunner(loaded, pool, backend="flashinfer", batch_invariant=invariant)
+    runner = flashinfer_runner(loaded, pool, batch_invariant=invariant)
     entries, page = [], 0
     for i, p in enumerate(prompts):
         n = -(-len(p) // ps)

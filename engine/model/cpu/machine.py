@@ -1,22 +1,17 @@
-"""What the engine knows of the machine it runs on: its CPU, its memory, where caches live.
+"""What the engine knows of the machine it runs on: its CPU and its memory.
 
 One place for what several modules key or size things by: the dtype probe's cache and the
 kernels' builds are keyed by ``machine_key`` (CPU model, flags, cores, torch), the disk tier's
-store by it too, bf16's safety check reads ``cpu_flags``, pool sizing reads the memory figures,
-and every cache sits under ``cache_root``. /proc/cpuinfo is read once per process.
+store by it too, bf16's safety check reads ``cpu_flags`` (and ``bf16_matmul_works`` where AMX is
+advertised), pool sizing reads the memory figures. /proc/cpuinfo is read once per process.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/radixkv`` (default ``~/.cache/radixkv``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "radixkv"
+import subprocess
+import sys
 
 
 @functools.cache
@@ -80,3 +75,22 @@ def available_memory_bytes() -> int:
         except (OSError, ValueError):
             continue
     return available
+
+
+_BF16_PRODUCT = (
+    "import torch; a = torch.randn(64, 576, dtype=torch.bfloat16); "
+    "b = torch.randn(1536, 576, dtype=torch.bfloat16); torch.nn.functional.linear(a, b)"
+)
+
+
+@functools.cache
+def bf16_matmul_works() -> bool:
+    """Run a bf16 matrix product in a child process: some VMs advertise AMX but kill the
+    process with SIGILL on the first AMX instruction (seen here: a Firecracker guest)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _BF16_PRODUCT], capture_output=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0

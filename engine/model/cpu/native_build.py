@@ -40,7 +40,8 @@ from types import ModuleType
 
 import xxhash
 
-from engine.model.cpu.machine import cache_root, machine_key
+from engine.model.cache_root import cache_root
+from engine.model.cpu.machine import machine_key
 
 # -fopenmp: the kernels' parallel regions (and at::parallel_for, a header template) need it;
 # libgomp resolves to the copy torch already loaded. -ffp-contract=off: the only fused

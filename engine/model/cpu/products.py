@@ -19,13 +19,11 @@ from types import ModuleType
 import torch
 
 from engine.model.cpu.native_build import expect_rejection, load_native
+from engine.model.platform import NONE
 
 SOURCE = Path(__file__).parent / "csrc" / "dense.cpp"
 DISABLE_ENV = "RADIXKV_NATIVE_PRODUCTS"  # "0" keeps torch's matrix products
 SELF_TEST = "engine.model.cpu.products:rejects_a_weight_that_does_not_fit"
-
-# Prologues the kernel applies to each input row before the product.
-NONE, RMSNORM, SILU_MUL = 0, 1, 2
 
 
 def load_products() -> ModuleType | None:
@@ -50,7 +48,8 @@ def rejects_a_weight_that_does_not_fit(kernel: ModuleType) -> str | None:
 
 
 class PackedWeight:
-    """A linear layer's weight ``[out, in]`` packed for the kernel, with its bias (float32)."""
+    """A linear layer's weight ``[out, in]`` packed for the kernel, with its bias (float32): the
+    CPU's ``platform.PackedProduct``; the prologues are the platform's codes (``RMSNORM``...)."""
 
     def __init__(
         self, kernel: ModuleType, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -187,7 +187,7 @@ class FlashInferBackend(AttentionBackend):
         self._planned: torch.cuda.Event | None = None
         self._graph_decode: bool | None = None  # graph mode: the wrapper planned (first pass)
 
-    def graph_twin(self, batch: int, pages: int) -> FlashInferBackend:
+    def for_graph(self, batch: int, pages: int) -> FlashInferBackend:
         """This backend's settings in CUDA-graph mode for ``batch`` entries and up to
         ``pages`` pages, sharing its workspace (graphs replay one at a time)."""
         return FlashInferBackend(

@@ -43,15 +43,14 @@ from engine.model.attention.base import AttentionBackend
 from engine.model.cuda.step_buffers import StepBuffers
 from engine.model.forward_batch import ForwardBatch, StepIndex
 from engine.model.kv_pool import KVPool
+from engine.model.platform import EagerPass, PlannedForward
 
 log = logging.getLogger("radixkv.engine")
 
-# Forward of a planned pass: (forward batch, backend) -> logits of its sampled rows.
-Forward = Callable[[ForwardBatch, AttentionBackend], torch.Tensor]
-# The same pass run eagerly: (index) -> logits of its sampled rows.
-Eager = Callable[[StepIndex], torch.Tensor]
 # A verify graph of B entries holds B times one of these rows (capped by ``max_rows``).
 VERIFY_ROW_FACTORS = (2, 4, 8, 16)
+# Rows of the largest verify graph (its logits: rows x vocabulary floats, ~100 MB at 512).
+MAX_VERIFY_ROWS = 512
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -126,7 +125,7 @@ class _Bucket:
 
 class DecodeGraphs:
     """Decode passes of up to ``max_batch`` entries, and verify passes of up to ``max_rows``
-    rows, through per-bucket graphs.
+    rows, through per-bucket graphs (the CUDA platform's ``GraphedPasses``).
 
     ``make_backend(batch, pages)`` builds an attention backend whose wrappers run in graph mode
     for ``batch`` entries and up to ``pages`` pages; ``forward`` runs a planned pass (the
@@ -142,11 +141,11 @@ class DecodeGraphs:
         self,
         pool: KVPool,
         make_backend: Callable[[int, int], AttentionBackend],
-        forward: Forward,
+        forward: PlannedForward,
         max_batch: int,
         max_pages_per_entry: int,
         capture: bool,
-        eager: Eager | None = None,
+        eager: EagerPass | None = None,
         max_rows: int = 0,
     ) -> None:
         if pool.scratch_page is None:

@@ -38,7 +38,8 @@ def _aligned(n: int) -> int:
 
 
 class StepBuffers:
-    """A pinned host buffer and a device buffer for the fields of ``INDEX_FIELDS``.
+    """A pinned host buffer and a device buffer for the fields of ``INDEX_FIELDS`` (the CUDA
+    platform's ``IndexPacker``).
 
     ``capacity`` (elements per field) fixes the layout; without it each ``pack`` lays the
     fields out compactly. ``copies`` counts host-to-device copies (one per ``pack``)."""

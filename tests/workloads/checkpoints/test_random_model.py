@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.loader import load_model
+from engine.model.bringup.load import load_model
 from workloads.checkpoints.random_model import build, pack_front
 
 

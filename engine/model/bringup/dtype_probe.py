@@ -5,13 +5,14 @@ times slower in torch on one without it, and killed the process with SIGILL on a
 whose advertised AMX faults; a vendor BLAS that passed a probe of plain products broke the
 model's invariance at shapes the probe never tried (figures: docs/benchmarks.md). So the engine measures instead of guessing: a
 child process per dtype loads the real model, times the engine's own forward at a decode and a
-prefill shape, and checks that forward for batch invariance (``engine.model.invariance``). A
+prefill shape, and checks that forward for batch invariance (``invariance``). A
 crash, a timeout, a forward that is not invariant, or one too far from float32 rules that
 dtype out. The result is remembered per machine (CPU model, flags, cores, torch) and version
 of the kernels, in the user's cache directory.
 
 This module is the verdict (run the children, choose, remember); what a child runs is
-``engine.model.cpu.probe_child``, which sits above the loader that consults the verdict here.
+``dtype_probe_child``, which loads the model the way ``load`` does when it consults the verdict
+here (``python -m engine.model.bringup.dtype_probe`` prints it).
 """
 
 from __future__ import annotations
@@ -25,12 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
 
-from engine.model.attention.native import SOURCE as ATTENTION
-from engine.model.cpu import native_build
-from engine.model.cpu.machine import cache_root, machine_key
-from engine.model.cpu.products import SOURCE as PRODUCTS
+from engine.model.cache_root import cache_root
+from engine.model.cpu.kernels import kernels_key, kernels_loaded
+from engine.model.cpu.machine import machine_key
 
 DTYPES = ("float32", "bfloat16")
 # bf16 is chosen only when it is at least this much faster (geometric mean of both shapes).
@@ -38,10 +37,10 @@ MIN_SPEEDUP = 1.1
 PROBE_TIMEOUT_S = 300
 SLOW_FACTOR = 3.0  # a dtype this much slower than float32 at decode is not timed further
 
-# The child runs the measurement (engine.model.cpu.probe_child, which loads the model: it sits
-# above the loader, which asks this module for its "auto" dtype).
+# The child runs the measurement (dtype_probe_child, which loads the model: it sits above the
+# load, which asks this module for its "auto" dtype).
 _CHILD = (
-    "import json, engine.model.cpu.probe_child as c; "
+    "import json, engine.model.bringup.dtype_probe_child as c; "
     "print(json.dumps(c.measure_in_process({dtype!r}, {limit_s!r})))"
 )
 
@@ -104,7 +103,7 @@ class ProbeResult:
 
 
 def run_child(dtype: str, limit_s: float | None = None, code: str = _CHILD) -> DtypeReport | None:
-    """``probe_child.measure_in_process(dtype)`` in a child process; None if it crashes or
+    """``dtype_probe_child.measure_in_process(dtype)`` in a child process; None if it crashes or
     hangs."""
     try:
         proc = subprocess.run(
@@ -133,23 +132,6 @@ def choose(reports: dict[str, DtypeReport | None]) -> str:
         return "bfloat16"
     ratio = (fp32.decode_s / bf16.decode_s * fp32.prefill_s / bf16.prefill_s) ** 0.5
     return "bfloat16" if ratio >= MIN_SPEEDUP else "float32"
-
-
-def kernels_key() -> str:
-    """The native kernels' sources, their shared header and their loader: a new version of
-    any is probed again."""
-    h = xxhash.xxh64()
-    for source in (PRODUCTS, ATTENTION, PRODUCTS.parent / "guard.h", Path(native_build.__file__)):
-        h.update(source.read_bytes())
-    return h.hexdigest()
-
-
-def kernels_loaded() -> bool:
-    """Whether both native kernels load in this process (built and self-tested)."""
-    from engine.model.attention.native import load_kernel
-    from engine.model.cpu.products import load_products
-
-    return load_products() is not None and load_kernel() is not None
 
 
 def _to_json(result: ProbeResult) -> dict[str, object]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.bringup.platforms import platform_for
 from engine.model.cpu.threads import ThreadPolicy
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
@@ -75,7 +76,8 @@ def runner_for(
         cfg.num_layers, tokens // page_size, page_size, cfg.num_kv_heads, cfg.head_dim,
         loaded.dtype,
     )
-    return ModelRunner(loaded, pool, threads=ThreadPolicy(threads), batch_invariant=True)
+    platform = platform_for(loaded.device, "torch", ThreadPolicy(threads))
+    return ModelRunner(loaded, pool, platform, batch_invariant=True)
 
 
 def check(loaded: LoadedModel, reference: torch.Tensor | None = None) -> InvarianceReport:

@@ -4,7 +4,7 @@ A query's output never depends on the batch, the cache or the page size: each qu
 computed by one fixed sequence of instructions over its own keys, whatever shares the call
 (``csrc/exact_attention.cpp``). Where the kernel cannot be built the engine runs the fast
 backend, and the dtype probe's check on the real forward reports that passes are then not
-verified invariant (``engine.model.cpu.probe``).
+verified invariant (``engine.model.bringup.dtype_probe``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from types import ModuleType
 
 import torch
 
-from engine.model.attention import native
 from engine.model.attention.base import AttentionBackend
+from engine.model.cpu import exact_attention
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.rope import Rope
@@ -35,7 +35,7 @@ class ExactAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.kernel = kernel
         self.threads = threads  # every pass's attention runs on this many threads
-        self._native: native.NativePlan | None = None
+        self._native: exact_attention.NativePlan | None = None
         self._fb: ForwardBatch | None = None
 
     @property
@@ -52,7 +52,9 @@ class ExactAttentionBackend(AttentionBackend):
         pages = fb.kv_indices.tolist()
         self._fb = fb
         tables = [pages[indptr[b] : indptr[b + 1]] for b in range(fb.batch_size)]
-        self._native = native.plan_native(fb.qo_lens, fb.kv_lens, tables, fb.input_ids.device)
+        self._native = exact_attention.plan_native(
+            fb.qo_lens, fb.kv_lens, tables, fb.input_ids.device
+        )
 
     def run(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
@@ -64,7 +66,7 @@ class ExactAttentionBackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         qn = q.float().view(-1, hkv * g, d)
-        out = native.attend(
+        out = exact_attention.attend(
             self.kernel, qn, pool.k_cache[layer], pool.v_cache[layer], plan, g, d**-0.5,
             self.threads,
         )
@@ -80,7 +82,7 @@ class ExactAttentionBackend(AttentionBackend):
             return super().run_qkv(layer, qkv, rope, pool)
         hkv, d = self.num_kv_heads, self.head_dim
         cos, sin = rope  # [T, 1, D/2] float32 and contiguous: the kernel reads them as [T, D/2]
-        out = native.rope_write_attend(
+        out = exact_attention.rope_write_attend(
             self.kernel, qkv, cos, sin, fb.slots, pool.k_cache[layer], pool.v_cache[layer],
             plan, self.num_heads // hkv, d**-0.5, self.threads,
         )

@@ -1,6 +1,6 @@
 """Is the engine's forward batch-invariant on this device? Checked at start, on its own runner.
 
-On a CPU the dtype probe checks the forward once per machine (``engine.model.cpu.probe``); on a
+On a CPU the dtype probe checks the forward once per machine (``dtype_probe``); on a
 GPU the promise rests on FlashInfer's deterministic plan and on cuBLAS giving a row the same
 bits whatever the row count, and both depend on the device, the library versions and the
 shapes (FlashInfer picks its query tile from the pass's query lengths: flashinfer#2424). So
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from engine.model.invariance import OTHERS, PROMPT, InvarianceReport, last_logits
+from engine.model.bringup.invariance import OTHERS, PROMPT, InvarianceReport, last_logits
 from engine.model.runner import ModelRunner
 
 log = logging.getLogger("radixkv.engine")

@@ -27,7 +27,7 @@ PREFILL_ITEM_TOKENS = 32
 DECODE_ITEM_TOKENS = 8
 HEAD_DIM_MULTIPLE = 32  # the kernel's register tiles
 DISABLE_ENV = "RADIXKV_NATIVE_ATTENTION"  # "0" keeps the torch version
-SELF_TEST = "engine.model.attention.native:rejects_bad_slots_and_pages"
+SELF_TEST = "engine.model.cpu.exact_attention:rejects_bad_slots_and_pages"
 
 
 def load_kernel() -> ModuleType | None:

@@ -1,10 +1,10 @@
 """What the dtype probe's child process runs: the real model loaded in one dtype, the engine's
 forward timed at a decode and a prefill shape, and its batch invariance checked.
 
-It lives apart from ``engine.model.cpu.probe`` because it needs the whole model side (the loader,
-the runner, the invariance check) while the loader needs the probe's verdict for its "auto"
-dtype: the probe only starts this module in a child (a faulting instruction then kills the
-child alone) and reads back the ``DtypeReport`` it prints.
+It lives apart from ``dtype_probe`` because it needs the whole model side (the load, the
+runner, the invariance check) while the load needs the probe's verdict for its "auto" dtype:
+the probe only starts this module in a child (a faulting instruction then kills the child
+alone) and reads back the ``DtypeReport`` it prints.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.model import invariance
-from engine.model.attention.native import load_kernel
-from engine.model.cpu.probe import DtypeReport
-from engine.model.loader import LoadedModel, load_model
+from engine.model.bringup import invariance
+from engine.model.bringup.dtype_probe import DtypeReport
+from engine.model.bringup.load import load_model
+from engine.model.cpu.exact_attention import load_kernel
+from engine.model.loader import LoadedModel
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from radix.allocator import PageAllocator
 from radix.cache import RadixCache
 from radix.node import Node, PrefixMatch
-from radix.pins import Pin, PinTable
+from radix.pins import PinTable
 from radix.tiers import EvictedPage, KVTiers, Tier, TierChanged, TierHit, TierStats
 from radix.tokens import TOKEN_BYTES, encode_tokens
 
@@ -170,9 +170,10 @@ class KVManager:
         return self._tiers
 
     @property
-    def pins(self) -> list[Pin]:
-        """The live pins, oldest first (for reading: the inspector marks their paths)."""
-        return list(self._pins.pins.values())
+    def pins(self) -> PinTable:
+        """The pins: cached prefixes kept in the pool for a while (``pin``, ``drop``,
+        ``expire``, ``release_oldest``: on the loop's thread, as everything here)."""
+        return self._pins
 
     def tier_stats(self) -> TierStats | None:
         return None if self._tiers is None else self._tiers.stats()
@@ -349,42 +350,6 @@ class KVManager:
         self._tree.unlock(handle.node)
         handle.pages = []
         handle.cached_len = 0
-
-    # ------------------------------------------------------------------ pins
-
-    def pin(
-        self, tokens: Sequence[int], namespace: str | None, ttl: float, now: float
-    ) -> Pin | None:
-        """Keep the cached prefix of ``tokens`` in the pool until ``now + ttl`` (None: nothing
-        of it is cached). Past the budget (``max_pinned_fraction`` of the pool) the oldest
-        pins are released, this one too if it alone is over."""
-        if ttl <= 0:
-            raise ValueError(f"ttl: must be > 0 seconds, got {ttl!r}")
-        found = self._tree.match_prefix(tokens, namespace)
-        if found.length == 0:
-            return None
-        return self._pins.add(found.node, namespace, found.length, now + ttl)
-
-    def unpin(self, pin: Pin) -> None:
-        """End ``pin`` now (its pages become evictable; nothing if it already ended)."""
-        self._pins.drop(pin)
-
-    def expire_pins(self, now: float) -> int:
-        """Release the pins whose lifetime ended by ``now``; how many."""
-        return len(self._pins.expire(now))
-
-    def release_oldest_pin(self) -> bool:
-        """End the oldest pin early (its pages are needed); False when there are none."""
-        return self._pins.release_oldest()
-
-    def next_pin_expiry(self) -> float | None:
-        """When the first live pin's lifetime ends (None: no pins)."""
-        return self._pins.next_expiry()
-
-    @property
-    def pins_released(self) -> int:
-        """Pins ended by their lifetime or the budget so far (only grows)."""
-        return self._pins.released
 
     # ------------------------------------------------------------------ integrity
 

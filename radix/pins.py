@@ -11,6 +11,7 @@ many conversations counts once).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radix.cache import RadixCache
@@ -32,7 +33,9 @@ class Pin:
 
 @dataclass
 class PinTable:
-    """The live pins of one tree, oldest first, within ``max_pages`` pinned pages."""
+    """The live pins of one tree, oldest first, within ``max_pages`` pinned pages. The
+    ``KVManager`` of the tree exposes it as ``kv.pins``; like the tree, it is changed only on
+    the engine loop's thread."""
 
     tree: RadixCache
     max_pages: int
@@ -44,6 +47,23 @@ class PinTable:
     _pinned: int | None = None
     _next: float | None = None
     _known: bool = False  # whether _pinned and _next are up to date
+
+    def pin(
+        self, tokens: Sequence[int], namespace: str | None, ttl: float, now: float
+    ) -> Pin | None:
+        """Keep the cached prefix of ``tokens`` in the pool until ``now + ttl`` (None: nothing
+        of it is cached). Past the budget the oldest pins are released, this one too if it
+        alone is over."""
+        if ttl <= 0:
+            raise ValueError(f"ttl: must be > 0 seconds, got {ttl!r}")
+        found = self.tree.match_prefix(tokens, namespace)
+        if found.length == 0:
+            return None
+        return self.add(found.node, namespace, found.length, now + ttl)
+
+    def live(self) -> list[Pin]:
+        """The live pins, oldest first (for reading: the inspector marks their paths)."""
+        return list(self.pins.values())
 
     def add(self, node: Node, namespace: str | None, length: int, expires: float) -> Pin:
         """Pin ``node`` (locked here), then release the oldest pins while over the budget

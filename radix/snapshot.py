@@ -151,7 +151,7 @@ def _take_children(node: Node, left: int, out: list[Node]) -> tuple[int, int, in
 def _pin_counts(kv: KVManager) -> dict[int, int]:
     """id(node) -> how many live pins hold a lock through it (each pin locks its path)."""
     counts: dict[int, int] = {}
-    for pin in kv.pins:
+    for pin in kv.pins.live():
         node: Node | None = pin.node
         while node is not None and node.parent is not None:
             counts[id(node)] = counts.get(id(node), 0) + 1

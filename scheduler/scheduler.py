@@ -328,7 +328,7 @@ class Scheduler:
             room = len(kv.pages) + self._kv.available
             n = max(1, min(n, room * p - start))
         while not self._kv.allocate(kv, start + n):
-            if self._kv.release_oldest_pin():
+            if self._kv.pins.release_oldest():
                 continue  # a pin gives way before a running request is preempted
             victim = self._preemption_victim()
             self._preempt(victim, plan)

@@ -254,7 +254,7 @@ class EngineLoop:
                 elif kind == "pin":
                     self._pin(payload)
                 else:
-                    self._scheduler.kv.unpin(payload)
+                    self._scheduler.kv.pins.drop(payload)
             self._expire_pins()
             if not self._has_work():
                 if not idle_checked:
@@ -280,7 +280,7 @@ class EngineLoop:
         with self._lock:
             while wait and not self._inbox and not self._closing:
                 # Idle with pins: wake when the first one ends, so stats() stops counting it.
-                expiry = self._scheduler.kv.next_pin_expiry()
+                expiry = self._scheduler.kv.pins.next_expiry()
                 if expiry is None:
                     self._wake.wait()
                 else:
@@ -314,7 +314,7 @@ class EngineLoop:
 
     def _pin(self, order: PinOrder) -> None:
         try:
-            pin = self._scheduler.kv.pin(
+            pin = self._scheduler.kv.pins.pin(
                 order.tokens, order.namespace, order.ttl, time.monotonic()
             )
         except ValueError as exc:
@@ -324,13 +324,13 @@ class EngineLoop:
             order.answer.set_result(pin)
 
     def _expire_pins(self) -> int:
-        return self._scheduler.kv.expire_pins(time.monotonic())
+        return len(self._scheduler.kv.pins.expire(time.monotonic()))
 
     def _on_nothing_scheduled(self) -> None:
         if self._scheduler.num_running == 0:
             # Waiting requests that cannot be admitted with nothing else running never will be.
             stuck = [j for j in self._live.values() if j.request.state == RequestState.WAITING]
-            if stuck and self._scheduler.kv.release_oldest_pin():
+            if stuck and self._scheduler.kv.pins.release_oldest():
                 return  # pins give way to a request that cannot fit beside them: try again
             for job in stuck:
                 request = job.request
@@ -466,7 +466,7 @@ class EngineLoop:
         )
         if job.pin_ttl is not None and request.finish_reason not in (None, "abort"):
             # Cached at the finish (whole pages of prompt + output): kept for the next turn.
-            self._scheduler.kv.pin(
+            self._scheduler.kv.pins.pin(
                 [*request.prompt, *request.output], request.namespace, job.pin_ttl, now
             )
         self._outbox.append((job, Done(output)))

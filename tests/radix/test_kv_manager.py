@@ -162,7 +162,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def pin(self, stem: int, cut: int, namespace: str | None, ttl: float) -> object:
         tokens = STEMS[stem][:cut] or [1]
         cached = self.kv.match(tokens, namespace)
-        found = self.kv.pin(tokens, namespace, ttl, self.now)
+        found = self.kv.pins.pin(tokens, namespace, ttl, self.now)
         if cached.length == 0:
             assert found is None
         else:
@@ -172,13 +172,13 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(pin=consumes(pins))
     def unpin(self, pin: object) -> None:
         if pin is not None:
-            self.kv.unpin(pin)  # type: ignore[arg-type]
+            self.kv.pins.drop(pin)  # type: ignore[arg-type]
             assert not pin.active  # type: ignore[attr-defined]
 
     @rule(seconds=st.sampled_from([0.5, 2.0]))
     def time_passes(self, seconds: float) -> None:
         self.now += seconds
-        self.kv.expire_pins(self.now)
+        self.kv.pins.expire(self.now)
 
     @invariant()
     def pins_keep_their_pages_within_the_budget(self) -> None:
@@ -201,7 +201,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         for handle in list(self.live.values()):
             self.kv.release(handle)
         self.kv.check([])
-        self.kv.expire_pins(self.now + 10.0)
+        self.kv.pins.expire(self.now + 10.0)
         assert self.kv.stats().pinned == 0 and self.kv.tree.protected_pages == 0
         stats = self.kv.stats()
         assert stats.free + stats.cached == stats.total and stats.private == 0
@@ -223,7 +223,7 @@ def test_a_pinned_prefix_survives_the_pressure_that_evicts_everything_else() -> 
     kept, other = [1, 2, 3, 4], [5, 6, 7, 8]
     _cached(kv, kept)
     _cached(kv, other)
-    pin = kv.pin(kept, None, ttl=60.0, now=0.0)
+    pin = kv.pins.pin(kept, None, ttl=60.0, now=0.0)
     assert pin is not None and kv.stats().pinned == 2
     flood = kv.acquire([9] * 12)
     assert kv.allocate(flood, 12)  # takes every page it can: the unpinned ones go
@@ -236,19 +236,19 @@ def test_a_pinned_prefix_survives_the_pressure_that_evicts_everything_else() -> 
 def test_a_pin_ends_with_its_lifetime_and_its_pages_become_evictable() -> None:
     kv = KVManager(num_pages=8, page_size=2)
     _cached(kv, [1, 2, 3, 4])
-    kv.pin([1, 2, 3, 4], None, ttl=5.0, now=100.0)
-    assert kv.expire_pins(104.9) == 0 and kv.stats().evictable == 0
-    assert kv.expire_pins(105.0) == 1
-    assert kv.stats().pinned == 0 and kv.stats().evictable == 2 and kv.pins_released == 1
+    kv.pins.pin([1, 2, 3, 4], None, ttl=5.0, now=100.0)
+    assert kv.pins.expire(104.9) == [] and kv.stats().evictable == 0
+    assert len(kv.pins.expire(105.0)) == 1
+    assert kv.stats().pinned == 0 and kv.stats().evictable == 2 and kv.pins.released == 1
 
 
 def test_past_the_budget_the_oldest_pins_are_released() -> None:
     kv = KVManager(num_pages=8, page_size=2, max_pinned_fraction=0.5)  # 4 pages
     for base in (10, 20, 30):
         _cached(kv, [base, base + 1, base + 2, base + 3])
-    first = kv.pin([10, 11, 12, 13], None, 60.0, 0.0)
-    second = kv.pin([20, 21, 22, 23], None, 60.0, 1.0)
-    third = kv.pin([30, 31, 32, 33], None, 60.0, 2.0)
+    first = kv.pins.pin([10, 11, 12, 13], None, 60.0, 0.0)
+    second = kv.pins.pin([20, 21, 22, 23], None, 60.0, 1.0)
+    third = kv.pins.pin([30, 31, 32, 33], None, 60.0, 2.0)
     assert first is not None and second is not None and third is not None
     assert not first.active and second.active and third.active
     assert kv.stats().pinned == 4 and kv.stats().pins == 2
@@ -259,18 +259,18 @@ def test_a_shared_prefix_under_two_pins_counts_once() -> None:
     kv = KVManager(num_pages=8, page_size=2)
     _cached(kv, [1, 2, 3, 4, 5, 6])
     _cached(kv, [1, 2, 3, 4, 7, 8])
-    kv.pin([1, 2, 3, 4, 5, 6], None, 60.0, 0.0)
-    kv.pin([1, 2, 3, 4, 7, 8], None, 60.0, 0.0)
+    kv.pins.pin([1, 2, 3, 4, 5, 6], None, 60.0, 0.0)
+    kv.pins.pin([1, 2, 3, 4, 7, 8], None, 60.0, 0.0)
     assert kv.stats().pinned == 4  # the two shared pages once, plus one of each
 
 
 def test_pins_are_per_namespace_and_need_something_cached() -> None:
     kv = KVManager(num_pages=8, page_size=2)
     _cached(kv, [1, 2, 3, 4], namespace="a")
-    assert kv.pin([1, 2, 3, 4], "b", 60.0, 0.0) is None
-    assert kv.pin([1, 2, 3, 4], "a", 60.0, 0.0) is not None
+    assert kv.pins.pin([1, 2, 3, 4], "b", 60.0, 0.0) is None
+    assert kv.pins.pin([1, 2, 3, 4], "a", 60.0, 0.0) is not None
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="ttl"):
-            kv.pin([1, 2, 3, 4], "a", bad, 0.0)
+            kv.pins.pin([1, 2, 3, 4], "a", bad, 0.0)
     with pytest.raises(ValueError, match="max_pinned_fraction"):
         KVManager(num_pages=8, page_size=2, max_pinned_fraction=1.5)

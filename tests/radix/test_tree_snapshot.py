@@ -69,7 +69,7 @@ def test_pinned_and_in_flight_paths_are_marked_apart() -> None:
     a, b = list(range(1, 13)), [50] * 12
     cached(kv, a)
     cached(kv, b)
-    kv.pin(a, None, ttl=60, now=0.0)
+    kv.pins.pin(a, None, ttl=60, now=0.0)
     running = kv.acquire(b)
     snap = snapshot_tree(kv)
     by_head = {n.head[0]: n for n in snap.nodes}

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from engine.model.bringup.platforms import platform_for
 from engine.model.cpu import exact_attention
-from engine.model.cpu.exact_backend import ExactAttentionBackend
+from engine.model.cpu.exact_attention import ExactAttentionBackend
 from engine.model.cuda.flashinfer_backend import FlashInferBackend, reference_ops
 from engine.model.cuda.flashinfer_plan import plan_flashinfer
 from engine.model.cuda.flashinfer_reference import merge_state

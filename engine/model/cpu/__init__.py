@@ -2,8 +2,8 @@
 verified per machine.
 
 - ``products`` (+ ``csrc/dense.cpp``): our batch-invariant matrix products;
-- ``exact_attention`` (+ ``csrc/exact_attention.cpp``): our batch-invariant attention kernel,
-  and ``exact_backend``, the attention backend over it;
+- ``exact_attention`` (+ ``csrc/exact_attention.cpp``): our batch-invariant attention kernel
+  and the attention backend over it;
 - ``native_build``: kernels compiled per machine, self-tested at load; ``kernels``: both
   kernels' version and whether they load;
 - ``machine``: the machine key, CPU flags (and whether bf16 products run), memory;

@@ -1,12 +1,12 @@
-"""The batch-invariant attention kernel in C++ (``csrc/exact_attention.cpp``), built per machine.
+"""The CPU's batch-invariant attention: the kernel in C++ (``csrc/exact_attention.cpp``),
+built per machine, and the attention backend over it (``ExactAttentionBackend``).
 
-The torch version (``engine.model.attention.exact``) gets its invariance from measured row padding
-and fixed 64-key blocks of BLAS products, at the price of many small ops per layer. The native
-kernel gets it by construction: each query row is computed by one fixed sequence of
-instructions over its own keys, whatever shares the call (see the source's header). It is
-compiled on first use for this machine (``engine.model.cpu.native_build``); when it cannot be
-built, or fails its self-test (a bad slot or page id must be a RuntimeError here), the engine
-keeps the torch version and says so once.
+A query's output never depends on the batch, the cache or the page size: each query row is
+computed by one fixed sequence of instructions over its own keys, whatever shares the call
+(see the source's header). The kernel is compiled on first use for this machine
+(``engine.model.cpu.native_build``); when it cannot be built, or fails its self-test (a bad
+slot or page id must be a RuntimeError here), the engine keeps torch's attention and says so
+once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from types import ModuleType
 
 import torch
 
+from engine.model.attention.base import AttentionBackend
 from engine.model.cpu.native_build import expect_rejection, load_native
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kv_pool import KVPool
+from engine.model.rope import Rope
 
 SOURCE = Path(__file__).parent / "csrc" / "exact_attention.cpp"
 # Prefill queries of one request are attended in items of this many tokens; decode queries
@@ -158,3 +162,76 @@ def rope_write_attend(
     return kernel.rope_write_attend(
         qkv, cos, sin, slots, k_pages, v_pages, *plan.tensors(), group, scale, threads
     )
+
+
+class ExactAttentionBackend(AttentionBackend):
+    """The batch-invariant attention backend: the kernel, one call per layer. Where the
+    kernel cannot be built the engine runs the fast backend, and the dtype probe's check on
+    the real forward reports that passes are then not verified invariant."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        kernel: ModuleType,
+        threads: int = 1,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, device)
+        self.kernel = kernel
+        self.threads = threads  # every pass's attention runs on this many threads
+        self._native: NativePlan | None = None
+        self._fb: ForwardBatch | None = None
+
+    @property
+    def kernel_name(self) -> str:
+        return "native"
+
+    @property
+    def exact(self) -> bool:
+        return True
+
+    def plan(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        indptr = fb.kv_indptr.tolist()
+        pages = fb.kv_indices.tolist()
+        self._fb = fb
+        tables = [pages[indptr[b] : indptr[b + 1]] for b in range(fb.batch_size)]
+        self._native = plan_native(
+            fb.qo_lens, fb.kv_lens, tables, fb.input_ids.device
+        )
+
+    def run(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+    ) -> torch.Tensor:
+        fb, plan = self._fb, self._native
+        if fb is None or plan is None:
+            raise RuntimeError("ExactAttentionBackend.run called before plan")
+        pool.write(layer, fb.slots, k, v)
+        hkv, d = self.num_kv_heads, self.head_dim
+        g = self.num_heads // hkv
+        qn = q.float().view(-1, hkv * g, d)
+        out = attend(
+            self.kernel, qn, pool.k_cache[layer], pool.v_cache[layer], plan, g, d**-0.5,
+            self.threads,
+        )
+        return out.view(q.shape).to(q.dtype)
+
+    def run_qkv(self, layer: int, qkv: torch.Tensor, rope: Rope, pool: KVPool) -> torch.Tensor:
+        """RoPE, the K/V write and attention in one native call (float32 rows from our
+        products; other rows take the unfused path)."""
+        fb, plan = self._fb, self._native
+        if fb is None or plan is None:
+            raise RuntimeError("ExactAttentionBackend.run_qkv called before plan")
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
+            return super().run_qkv(layer, qkv, rope, pool)
+        hkv, d = self.num_kv_heads, self.head_dim
+        cos, sin = rope  # [T, 1, D/2] float32 and contiguous: the kernel reads them as [T, D/2]
+        out = rope_write_attend(
+            self.kernel, qkv, cos, sin, fb.slots, pool.k_cache[layer], pool.v_cache[layer],
+            plan, self.num_heads // hkv, d**-0.5, self.threads,
+        )
+        return out.view(-1, self.num_heads * d)

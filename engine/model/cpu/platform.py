@@ -19,7 +19,7 @@ import torch
 from engine.model.attention.base import AttentionBackend
 from engine.model.attention.torch_backend import TorchAttentionBackend
 from engine.model.cpu import exact_attention
-from engine.model.cpu.exact_backend import ExactAttentionBackend
+from engine.model.cpu.exact_attention import ExactAttentionBackend
 from engine.model.cpu.kernels import kernels_key
 from engine.model.cpu.machine import (
     available_memory_bytes,

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from engine import ModelFront, PromptPreparer, SamplingParams
+from engine import ModelFront, PromptPreparer, SamplingParams, tools
 from engine.api import (
     Delta,
     EngineDeadError,
@@ -81,6 +81,11 @@ class RemoteEngine:
     @property
     def model_config(self) -> Any:
         return self._front.config
+
+    @property
+    def tool_format(self) -> Any:
+        """The model's tool format, as its replicas' engines have it."""
+        return tools.RADIXKV
 
     @property
     def max_context(self) -> int:

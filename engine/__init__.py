@@ -31,12 +31,12 @@ if TYPE_CHECKING:  # the names for type checkers (``X as X``: re-exported)
     from engine.model.loader import load_hf_reference as load_hf_reference
     from engine.serving import tools as tools
     from engine.serving.chat import ChatSession as ChatSession
-    from engine.serving.chat import continue_tokens as continue_tokens
     from engine.serving.cli import build_parser as build_parser
     from engine.serving.cli import engine_options as engine_options
     from engine.serving.cli import run_command as run_command
+    from engine.serving.conversation import continue_tokens as continue_tokens
     from engine.serving.engine import Engine as Engine
-    from engine.serving.prompts import PromptPreparer as PromptPreparer
+    from engine.serving.inputs import PromptPreparer as PromptPreparer
     from scheduler import SamplingParams as SamplingParams
     from scheduler import StructuredOutputsParams as StructuredOutputsParams
 
@@ -46,11 +46,12 @@ _HOMES_BY_MODULE = {
     "engine.serving.engine": ("Engine",),
     "engine.config": ("EngineConfig",),
     "scheduler.params": ("SamplingParams", "StructuredOutputsParams"),
-    "engine.serving.chat": ("ChatSession", "continue_tokens"),
+    "engine.serving.chat": ("ChatSession",),
+    "engine.serving.conversation": ("continue_tokens",),
     # the commands (radixkv chat / generate; serve builds on them)
     "engine.serving.cli": ("build_parser", "engine_options", "run_command"),
     # a front without the model: prompts encoded and checked
-    "engine.serving.prompts": ("PromptPreparer",),
+    "engine.serving.inputs": ("PromptPreparer",),
     # models and the machine, for front ends and benchmarks
     "engine.model.loader": (
         "ModelFront", "load_front", "load_hf_reference", "bundled_gguf_path", "checkpoint_dir",

@@ -24,6 +24,7 @@ import msgspec
 
 from engine import SamplingParams, StructuredOutputsParams
 from engine import tools as tool_format
+from engine.api import EngineClient
 from server.errors import APIError, from_engine, invalid
 
 # Choices one request may ask for (each is a request in the engine; they share the prompt).
@@ -125,11 +126,13 @@ def _raise(error: APIError) -> Any:
 # ------------------------------------------------------------------------------ conversations
 
 
-def conversation(messages: list[ChatMessage], field: str = "messages") -> list[dict[str, str]]:
-    """OpenAI messages -> the engine's ``[{"role", "content"}]`` (text parts joined)."""
+def conversation(messages: list[ChatMessage], field: str = "messages") -> list[dict[str, Any]]:
+    """OpenAI messages -> the engine's: ``{"role", "content"}`` (text parts joined), or an
+    assistant turn that called tools, ``{"role": "assistant", "tool_calls": [(name,
+    arguments), ...]}``, which the model's tool format writes (``tool_prompt``)."""
     if not messages:
         raise invalid(f"{field}: empty list; expected at least one message")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"{field}[{i}]"
         role = ROLES.get(message.role)
@@ -141,21 +144,29 @@ def conversation(messages: list[ChatMessage], field: str = "messages") -> list[d
         if role == "tool" and not message.tool_call_id:
             raise invalid(f"{where}.tool_call_id: a tool message answers a call; give its id")
         if role == "assistant" and message.tool_calls:
-            text = tool_format.RADIXKV.render_calls(_calls(message.tool_calls, where))
-            out.append({"role": role, "content": text})
+            out.append({"role": role, "tool_calls": _calls(message.tool_calls, where)})
             continue
         out.append({"role": role, "content": _content_text(message, role, where)})
     return out
 
 
-def tool_use(
-    tools: list[Any] | None, tool_choice: Any = None, parallel_tool_calls: bool = True
-) -> tool_format.ToolUse | None:
-    """The engine's tool use of a request (None: it sent no tools), the engine's errors as
-    400s naming the field (``tools[i].function.parameters``, ``tool_choice``). Chat and
+def tool_prompt(
+    engine: EngineClient,
+    history: list[dict[str, Any]],
+    tools: list[Any] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
+    reply: StructuredOutputsParams | None = None,
+) -> tuple[tool_format.ToolUse | None, tool_format.ToolPrompt]:
+    """The conversation the engine renders and what its reply must match, in the engine's
+    tool format (``engine.tools.prepare``: the one call of every door; None for the tool use
+    when the request sent no tools), its errors as 400s naming the field
+    (``tools[i].function.parameters``, ``tool_choice``). Chat, ``/v1/responses`` and
     ``/tokenize`` render with it, so their counts agree."""
     try:
-        return tool_format.ToolUse.offered(tools or None, tool_choice, parallel_tool_calls)
+        return tool_format.prepare(
+            history, tools or None, tool_choice, parallel_tool_calls, reply, engine.tool_format
+        )
     except ValueError as exc:
         raise invalid(str(exc)) from None
 

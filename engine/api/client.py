@@ -56,6 +56,12 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def tool_format(self) -> Any:
+        """How the model writes tools and calls (an ``engine.tools.ToolFormat``): the doors
+        offer tools and render a conversation's earlier calls through it."""
+        ...
+
+    @property
     def alive(self) -> bool: ...
 
     def encode(

@@ -1,7 +1,7 @@
 """EngineStats, a snapshot of an engine: the scheduler's counters, the pool's pages and the KV
 tiers' figures, each as its owner reports it (nothing copied field by field), plus what only
 the loop knows (failed requests, the queue). Summed over replicas and zeroed here; taken by
-the engine loop (``engine.serving.stats.snapshot``)."""
+the engine loop (``EngineLoop._snapshot``)."""
 
 from __future__ import annotations
 

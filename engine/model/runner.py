@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ class StepResult:
     logprobs: list[list[TokenLogprob]]
     # Per entry, the log-probability of each prompt token its ``scored`` rows predict.
     prompt_logprobs: list[list[TokenLogprob]] | None = None
+    # Requests (by id) whose grammar llguidance stopped following in this step, and why: their
+    # rows allowed EOS alone, so the caller fails them rather than let them end "stop".
+    grammar_errors: dict[Any, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -229,10 +232,14 @@ class ModelRunner:
         if not requests:
             return out
         allowed = logits
-        if self.grammars is not None:
-            allowed = self.grammars.mask(
+        # Grammars only where a row is constrained: a batch without one pays nothing for them.
+        constrained = any(r.params.structured_outputs is not None for r in requests)
+        grammars = self.grammars if constrained else None
+        if grammars is not None:
+            allowed = grammars.mask(
                 logits, [(entries[i].request, entries[i].draft, first) for i, first in spans]
             )
+            out.grammar_errors = grammars.take_errors()
         allowed = _hold_stops(allowed, logits, requests, steps)
         tokens = self.sampler.sample(
             allowed, [r.params for r in requests], steps, [r.prompt for r in requests], outputs
@@ -252,8 +259,8 @@ class ModelRunner:
                 out.logprobs[i] = [
                     found[j] for j in range(first, first + accepted + 1) if j in found
                 ]
-        if self.grammars is not None:
-            self.grammars.accept([(entries[i].request, out.tokens[i]) for i, _ in spans])
+        if grammars is not None:
+            grammars.accept([(entries[i].request, out.tokens[i]) for i, _ in spans])
         return out
 
     @staticmethod
@@ -288,7 +295,8 @@ class ModelRunner:
         at = {id(e): i for i, e in enumerate(computed)}
         src: list[int] = []
         dst: list[int] = []
-        out = StepResult([], [], None if result.prompt_logprobs is None else [])
+        out = StepResult([], [], None if result.prompt_logprobs is None else [],
+                         result.grammar_errors)
         for entry in entries:
             leader = entry.leader
             i = at[id(entry if leader is None else leader)]

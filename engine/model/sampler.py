@@ -177,7 +177,9 @@ class Sampler:
                 f"params: need one SamplingParams and one step per logits row ({n}), "
                 f"got {len(params)} and {len(steps)}"
             )
-        logits = adjust_logits(logits.float(), params, prompts, outputs)
+        logits = logits.float()
+        if any(p.adjusts_logits for p in params):  # bias, penalties: only rows that ask
+            logits = adjust_logits(logits, params, prompts, outputs)
         greedy_tokens = logits.argmax(dim=-1)
         if all(p.is_greedy for p in params):
             return greedy_tokens

@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.api import RequestOutput, TextStream, abort_on_exit
-from engine.serving.prompts import continue_tokens, render_with_spans
+from engine.serving.conversation import check_text, continue_conversation
+from engine.serving.inputs import check_namespace
 from engine.serving.tools import CallStream, ToolUse
-from engine.serving.validation import check_namespace, check_text
 from scheduler import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,10 +56,11 @@ class ChatSession:
         self._messages: list[dict[str, str]] = (
             [{"role": "system", "content": system}] if system is not None else []
         )
-        self._tool_use = ToolUse.offered(tools, tool_choice)
+        self._tool_use = ToolUse.offered(tools, tool_choice, tool_format=engine.tool_format)
         if self._tool_use is not None:  # the tool section joins the system turn once
-            [self._params] = self._tool_use.constrain([params or SamplingParams()])
-            self._messages = self._tool_use.render(self._messages)
+            base = params or SamplingParams()
+            prompt = self._tool_use.prepare(self._messages, base.structured_outputs)
+            self._params, self._messages = prompt.constrained(base), prompt.messages
         self._conversation_ids: list[int] = []  # last turn's prompt + reply tokens
         self.last_output: RequestOutput | None = None
         self.last_dropped_tokens = 0  # previous tokens not reused verbatim by the last turn
@@ -107,13 +108,13 @@ class ChatSession:
 
     def fork(self) -> ChatSession:
         """An independent copy of this session (same history, params and namespace)."""
-        forked = ChatSession(self._engine, params=self._params, namespace=self._namespace)
-        forked._tool_use = self._tool_use
-        forked._messages = self.messages
-        forked._conversation_ids = list(self._conversation_ids)
-        forked.last_output = self.last_output
-        forked.last_dropped_tokens = self.last_dropped_tokens
-        return forked
+        branch = ChatSession(self._engine, params=self._params, namespace=self._namespace)
+        branch._tool_use = self._tool_use
+        branch._messages = self.messages
+        branch._conversation_ids = list(self._conversation_ids)
+        branch.last_output = self.last_output
+        branch.last_dropped_tokens = self.last_dropped_tokens
+        return branch
 
     def _params_for(self, params: SamplingParams | None) -> SamplingParams | None:
         return params if params is not None else self._params
@@ -129,9 +130,9 @@ class ChatSession:
             raise ValueError(f"role: expected 'user' or 'tool', got {role!r}")
         check_text(text, "text")
         messages = [*self.messages, {"role": role, "content": text}]
-        tokenizer = self._engine.tokenizer
-        full_text, spans = render_with_spans(tokenizer, messages, "text")
-        ids, reused = continue_tokens(tokenizer, self._conversation_ids, full_text, spans)
+        ids, reused = continue_conversation(
+            self._engine.tokenizer, self._conversation_ids, messages, "text"
+        )
         self.last_dropped_tokens = len(self._conversation_ids) - reused
         return messages, self._engine.encode(ids, "text")  # checked here, once
 

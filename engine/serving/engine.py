@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
-import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,38 +22,22 @@ from engine.api import (
     TextStream,
     abort_on_exit,
     check_pin_ttl,
-    context_limit,
 )
 from engine.api.handle import outputs_or_raise
 from engine.api.inspector import InspectSnapshot
 from engine.config import EngineConfig
-from engine.model.bringup.build import (
-    build_platform,
-    build_pool,
-    build_runner,
-    verified_invariant,
-    warn_if_slow_dtype,
-)
-from engine.model.bringup.load import load_model
-from engine.model.loader import LoadedModel
-from engine.model.structured import Grammars
-from engine.serving.detokenizer import IncrementalDetokenizer
-from engine.serving.inspector import InspectOrder
-from engine.serving.kv_tiers import build_tiers
-from engine.serving.loop import EngineLoop, Job, PinOrder
-from engine.serving.prompts import PromptPreparer, encode_prompt, encode_text, split_prompts
-from engine.serving.tools import CONVERSATIONS_ONLY, ToolUse
-from engine.serving.validation import check_token_ids
-from radix import KVEvent, KVManager
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from engine.serving.assembly import assemble
+from engine.serving.commands import Inspect, PinPrefix, Submit, Unpin
+from engine.serving.inputs import check_params, is_conversation, split_prompts
+from engine.serving.job import Job
+from engine.serving.tools import CONVERSATIONS_ONLY, RADIXKV, ToolFormat, ToolUse
+from radix import KVEvent
+from scheduler import Request, SamplingParams
 
 if TYPE_CHECKING:
     from engine.serving.chat import ChatSession
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
-
-
-log = logging.getLogger("radixkv.engine")
 
 
 class Engine:
@@ -79,133 +61,84 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig | None = None, /, **overrides: Any) -> None:
-        model = overrides.get("model")
-        loaded_model = model if isinstance(model, LoadedModel) else None
-        if loaded_model is not None:
-            overrides["model"] = None
-        # Every knob is checked here, before the (slow) model load.
-        config = (config or EngineConfig()).replace(**overrides)
-        self._engine_config = config
-        loaded = loaded_model or load_model(config.model, config.device, config.dtype)
-        self._platform = platform = build_platform(loaded, config)
-        warn_if_slow_dtype(platform, loaded.dtype)
-        self._tokenizer = loaded.tokenizer
-        self._config = loaded.config
-        grammars = Grammars(loaded.tokenizer)  # structured outputs: checked here, masked there
-        self._prompts = PromptPreparer(
-            loaded.tokenizer, loaded.config.vocab_size, int(loaded.config.max_position_embeddings),
-            grammars,
-        )
-        self._device = loaded.device
-        self._dtype = loaded.dtype
-        pool = build_pool(loaded, config, platform)
-        tiers = build_tiers(loaded, pool, config, platform)
-        kv = KVManager(
-            pool.num_pages, config.page_size, config.prefix_cache, tiers,
-            config.max_pinned_fraction,
-        )
-        runner = build_runner(loaded, pool, config, platform, grammars)
-        self._batch_invariant = runner.batch_invariant and verified_invariant(
-            loaded, config.batch_invariant, runner
-        )
-        self._attention_kernel = runner.backend.kernel_name
-        self._cuda_graphs = runner.graphs is not None
-        log.info(
-            "engine on %s (%s): attention %s, cuda graphs %s, batch_invariant=%s",
-            loaded.device, str(loaded.dtype).removeprefix("torch."), self._attention_kernel,
-            "on" if runner.graphs is not None else "off", self._batch_invariant,
-        )
-        self._num_pages = kv.num_pages
-        self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
+        self._parts = assemble(config, overrides)  # engine.serving.assembly builds it all
+        self._loop = self._parts.loop
+        self._inbox = self._loop.inbox  # commands for the loop's thread
+        self._inputs = self._parts.inputs
+        self._pool_tokens = self._parts.num_pages * self._parts.config.page_size
         self._request_ids = itertools.count()
-        self._loop = EngineLoop(Scheduler(kv, self._scheduler_config(config)), runner)
         # Closes the loop (and frees the pool) if the engine is dropped without close().
         self._finalizer = weakref.finalize(self, self._loop.close)
         self._closing = threading.Lock()
-
-    def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
-        """The scheduler's knobs, speculation and shared rows off where the passes are not
-        batch-invariant: a verify pass or a follower's copied row then need not give the numbers
-        plain decoding gives, and a greedy answer must never depend on either."""
-        scheduler = config.scheduler
-        if scheduler.speculation != "off" and not self._batch_invariant:
-            warnings.warn(
-                f"speculation={scheduler.speculation!r} needs batch-invariant passes, which "
-                "this engine does not have (batch_invariant=False, or not verified on this "
-                "machine): it is off",
-                stacklevel=3,
-            )
-            scheduler = msgspec.structs.replace(scheduler, speculation="off")
-        if not self._batch_invariant:  # a shared row is exact only if rows are invariant
-            scheduler = msgspec.structs.replace(scheduler, share_rows=False)
-        self._speculation = scheduler.speculation
-        return scheduler
 
     # ------------------------------------------------------------------------------ properties
 
     @property
     def speculation(self) -> str:
         """The speculative decoding in effect: "tree" or "off" (see ``EngineConfig``)."""
-        return self._speculation
+        return self._parts.scheduler_config.speculation
 
     @property
     def tokenizer(self) -> Any:
-        return self._tokenizer
+        return self._parts.tokenizer
 
     @property
     def model_config(self) -> Any:
-        return self._config
+        return self._parts.model_config
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this engine's model writes tools and calls (radixkv's own format)."""
+        return RADIXKV
 
     @property
     def max_context(self) -> int:
         """Prompt + generated tokens one request may hold: the model's context, or less where
         the KV pool holds fewer (the last generated token is never stored)."""
-        return context_limit(
-            int(self._config.max_position_embeddings), self._num_pages * self.page_size
-        )
+        return self._inputs.context(self._pool_tokens)
 
     @property
     def config(self) -> EngineConfig:
         """The knobs this engine was built with."""
-        return self._engine_config
+        return self._parts.config
 
     @property
     def page_size(self) -> int:
-        return self._engine_config.page_size
+        return self._parts.config.page_size
 
     @property
     def prefix_cache(self) -> bool:
         """False: nothing is reused across requests (the benchmarks' baseline)."""
-        return self._engine_config.prefix_cache
+        return self._parts.config.prefix_cache
 
     @property
     def num_pages(self) -> int:
-        return self._num_pages
+        return self._parts.num_pages
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self._parts.device
 
     @property
     def batch_invariant(self) -> bool:
         """True when greedy answers cannot depend on the batch, the cache or the page size."""
-        return self._batch_invariant
+        return self._parts.batch_invariant
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._dtype
+        return self._parts.dtype
 
     @property
     def cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs (asked for, captured, and as exact as the
         eager passes by the start-up check)."""
-        return self._cuda_graphs
+        return self._parts.cuda_graphs
 
     @property
     def attention_kernel(self) -> str:
         """Which attention runs: ``"native"`` (the compiled batch-invariant kernel), ``"torch"``
         (its torch version, where the kernel cannot be built) or ``"fast"`` (not invariant)."""
-        return self._attention_kernel
+        return self._parts.attention_kernel
 
     # ------------------------------------------------------------------------------ generation
 
@@ -243,12 +176,12 @@ class Engine:
         cached pages again (written down to the KV tiers when evicted, where there are
         tiers)."""
         [(ids, _)] = self._prepare(prompt, None, namespace, single=True)
-        order = PinOrder(list(ids), namespace, check_pin_ttl(ttl))
-        self._loop.pin(order)
+        order = PinPrefix(list(ids), namespace, check_pin_ttl(ttl))
+        self._inbox.post(order)
         pin = order.answer.result(timeout)
         if pin is None or not pin.active:  # nothing cached, or alone over the budget
             return PrefixPin(0, 0.0, None)
-        return PrefixPin(pin.length, pin.expires, lambda: self._loop.unpin(pin))
+        return PrefixPin(pin.length, pin.expires, lambda: self._inbox.post(Unpin(pin)))
 
     def generate(
         self,
@@ -268,12 +201,20 @@ class Engine:
         or ``{"type": "function", "function": {"name": ...}}``; a reply that calls them has
         ``tool_calls`` and finish_reason "tool_calls".
         """
-        tool_use = ToolUse.offered(tools, tool_choice)
-        if tool_use is not None:
+        if tools is not None or tool_choice is not None:
+            tool_use = ToolUse.offered(tools, tool_choice, tool_format=self.tool_format)
+            assert tool_use is not None
             return self._generate_with_tools(prompts, params, namespace, tool_use)
+        return self._run_all(self._prepare(prompts, params, namespace), namespace)
+
+    def _run_all(
+        self, prepared: list[tuple[list[int], SamplingParams]], namespace: str | None
+    ) -> list[RequestOutput]:
+        """Submits every prepared request, waits for all; the first error is raised once the
+        others have finished."""
         handles: list[RequestHandle] = []
         with abort_on_exit(handles):  # interrupted (KeyboardInterrupt) or a submit failed
-            for ids, p in self._prepare(prompts, params, namespace):
+            for ids, p in prepared:
                 handles.append(self._submit_ids(ids, p, namespace))
             events = [handle.final_event() for handle in handles]
         return outputs_or_raise(events)
@@ -282,13 +223,15 @@ class Engine:
         self, prompts: Any, params: ParamsArg, namespace: str | None, tool_use: ToolUse
     ) -> list[RequestOutput]:
         items = split_prompts(prompts)
-        if not all(isinstance(p, list) and p and isinstance(p[0], Mapping) for p in items):
+        if not all(is_conversation(p) for p in items):
             raise ValueError(CONVERSATIONS_ONLY)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(items)
-        constrained = tool_use.constrain(params)
-        conversations = [tool_use.render(m) for m in items]
-        outs = self.generate(conversations, constrained, namespace)
+        checked = check_params(params, len(items), self._inputs.vocab_size)
+        prepared = [tool_use.prepare(m, p.structured_outputs) for m, p in zip(items, checked)]
+        outs = self.generate(
+            [prompt.messages for prompt in prepared],
+            [prompt.constrained(p) for prompt, p in zip(prepared, checked)],
+            namespace,
+        )
         return [tool_use.parse(o) for o in outs]
 
     def stream(
@@ -342,33 +285,11 @@ class Engine:
         together; the scheduler runs the first prefill and holds back the others until the
         prefix is cached, then they hit it.
         """
-        vocab = self._config.vocab_size
-        if isinstance(prefix, str):
-            if not prefix:
-                raise ValueError("prefix: empty prefix; it needs at least one token")
-            prefix_ids = check_token_ids(
-                encode_text(self._tokenizer, prefix, field="prefix"), vocab, "prefix"
-            )
-        else:
-            prefix_ids = encode_prompt(self._tokenizer, prefix, vocab, "prefix")
-        if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
-            raise ValueError("suffixes: expected a list of str or token-id lists")
-        if len(suffixes) == 0:
-            raise ValueError("suffixes: empty list; expected at least one suffix")
-        prompts: list[list[int]] = []
-        for i, suffix in enumerate(suffixes):
-            if isinstance(suffix, str):
-                ids = encode_text(
-                    self._tokenizer, suffix, add_special_tokens=False, field=f"suffixes[{i}]"
-                )
-            elif isinstance(suffix, Sequence):
-                ids = check_token_ids(suffix, vocab, f"suffixes[{i}]") if len(suffix) else []
-            else:
-                raise ValueError(
-                    f"suffixes[{i}]: expected str or token ids, got {type(suffix).__name__}"
-                )
-            prompts.append(prefix_ids + ids)
-        return self.generate(prompts, params, namespace)
+        self._raise_if_closed()
+        prepared = self._inputs.prepare_fork(
+            prefix, suffixes, params, namespace, self._pool_tokens
+        )
+        return self._run_all(prepared, namespace)
 
     def chat(
         self,
@@ -400,10 +321,9 @@ class Engine:
         them back without encoding or checking them again. ``truncate_prompt_tokens`` keeps
         their tail as ``SamplingParams.truncate_prompt_tokens`` would (the same rule, the
         same context): for a caller that needs the kept ids before it makes the params."""
-        if self.closed:
-            raise EngineDeadError("the engine is closed")
-        return self._prompts.encode(
-            prompt, field, truncate_prompt_tokens, self._num_pages * self.page_size, continuing
+        self._raise_if_closed()
+        return self._inputs.encode(
+            prompt, field, truncate_prompt_tokens, self._pool_tokens, continuing
         )
 
     # ------------------------------------------------------------------------- state, shutdown
@@ -429,7 +349,8 @@ class Engine:
         """Monotone counters (requests, prompt/cached/computed/generated tokens, evicted pages,
         preemptions), the hit rate derived from them, the current page accounting, and whether
         this engine's greedy answers are verified batch-invariant."""
-        return msgspec.structs.replace(self._loop.stats(), batch_invariant=self._batch_invariant)
+        stats = self._loop.stats()
+        return msgspec.structs.replace(stats, batch_invariant=self._parts.batch_invariant)
 
     def inspect(self, budget: int = 400, timeout: float | None = 30.0) -> InspectSnapshot:
         """What the cache holds now, for the inspector: at most ``budget`` tree nodes
@@ -439,8 +360,8 @@ class Engine:
         seconds for the loop (a pass in progress finishes first)."""
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"budget: must be an int >= 0, got {budget!r}")
-        order = InspectOrder(budget)
-        self._loop.inspect(order)
+        order = Inspect(budget)
+        self._inbox.post(order)
         return order.answer.result(timeout)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -455,7 +376,7 @@ class Engine:
         on another thread dies in torch's teardown (SIGABRT)."""
         with self._closing:
             self._finalizer()
-        self._platform.release_cached_memory()
+        self._parts.platform.release_cached_memory()
 
     @property
     def closed(self) -> bool:
@@ -469,15 +390,17 @@ class Engine:
 
     # -------------------------------------------------------------------------------- internal
 
+    def _raise_if_closed(self) -> None:
+        if self.closed:
+            raise EngineDeadError("the engine is closed")
+
     def _prepare(
         self, prompts: Any, params: Any, namespace: Any, single: bool = False
     ) -> list[tuple[list[int], SamplingParams]]:
-        """Tokenises and validates everything before anything is queued: the one boundary."""
-        if self.closed:
-            raise EngineDeadError("the engine is closed")
-        return self._prompts.prepare(
-            prompts, params, namespace, self._num_pages * self.page_size, single
-        )
+        """Tokenises and validates everything before anything is queued: the one boundary
+        (``engine.serving.inputs``)."""
+        self._raise_if_closed()
+        return self._inputs.prepare(prompts, params, namespace, self._pool_tokens, single)
 
     def _submit_ids(
         self,
@@ -489,13 +412,8 @@ class Engine:
     ) -> RequestHandle:
         """Queues validated token ids (from ``_prepare``)."""
         request = Request(
-            next(self._request_ids), token_ids, params, namespace, self._eos_token_ids
+            next(self._request_ids), token_ids, params, namespace, self._parts.eos_token_ids
         )
-        handle, sink = RequestHandle.open(request.id, self._loop.abort)
-        detokenizer = IncrementalDetokenizer(
-            self._tokenizer, stop=params.stop, prompt_ids=token_ids, min_tokens=params.min_tokens,
-            include_stop=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens,
-        )
-        self._loop.submit(Job(request, detokenizer, sink, stream, pin_ttl=pin_ttl))
+        job, handle = Job.open(request, self._parts.tokenizer, self._inbox.abort, stream, pin_ttl)
+        self._inbox.post(Submit(job))
         return handle

@@ -2,48 +2,43 @@
 
 Everything here runs on the loop thread, between passes: ``admitted`` after each
 ``schedule()`` (one check per batch entry, a hash and short reads per newly admitted
-request), ``answer`` when a caller's ``InspectOrder`` comes through the loop's inbox (a tree
-snapshot bounded by the order's node budget). The caller waits on the order's future in its
-own thread; the loop never waits for it.
+request), ``answer`` when a caller's ``Inspect`` command comes through the loop's inbox (a
+tree snapshot bounded by the command's node budget). The caller waits on the command's
+future in its own thread; the loop never waits for it.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from engine.api.inspector import InspectSnapshot
-from engine.serving.stats import snapshot
+from engine.api.stats import EngineStats
+from engine.serving.commands import Inspect
+from radix import KVManager
 from radix.misses import MissTracker
 from radix.snapshot import snapshot_tree
-from scheduler import Batch, Request, Scheduler
+from scheduler import Batch, Request
 from scheduler.matching import matchable_length
 
 
-@dataclass(eq=False)
-class InspectOrder:
-    """A snapshot of at most ``budget`` tree nodes; the loop answers on ``answer``."""
+class LoopInspector:
+    """Names each admitted request's misses and takes snapshots of one KV manager's cache
+    (with the loop's ``stats`` of the moment)."""
 
-    budget: int
-    answer: concurrent.futures.Future[InspectSnapshot] = field(
-        default_factory=concurrent.futures.Future
-    )
-
-
-class LoopInspection:
-    """Names each admitted request's misses and takes snapshots, for one scheduler."""
-
-    def __init__(self, scheduler: Scheduler, keep: int = 64) -> None:
-        self._scheduler = scheduler
-        self._misses = MissTracker(scheduler.kv, keep=keep)
+    def __init__(
+        self, kv: KVManager, stats: Callable[[], EngineStats], keep: int = 64
+    ) -> None:
+        self._kv = kv
+        self._stats = stats
+        self._misses = MissTracker(kv, keep=keep)
         self._seen: weakref.WeakSet[Request] = weakref.WeakSet()
 
     def admitted(self, batch: Batch) -> None:
         """Record the requests this batch admitted for the first time (their handles still
         end where admission matched them: nothing is cached before the pass)."""
-        page_size = self._scheduler.kv.page_size
+        page_size = self._kv.page_size
         seen = self._seen
         for entry in batch.entries:
             request = entry.request
@@ -61,15 +56,15 @@ class LoopInspection:
                 handle.node,
             )
 
-    def answer(self, order: InspectOrder, failed: int) -> None:
+    def answer(self, order: Inspect) -> None:
         """Take the snapshot ``order`` asks for and hand it over."""
         if not order.answer.set_running_or_notify_cancel():
             return
         started = time.perf_counter()
         try:
-            tree = snapshot_tree(self._scheduler.kv, order.budget)
+            tree = snapshot_tree(self._kv, order.budget)
             requests = list(self._misses.recent)
-            stats = snapshot(self._scheduler, failed)
+            stats = self._stats()
         except Exception as exc:  # a bad budget: the caller's error, not the loop's
             order.answer.set_exception(exc)
             return

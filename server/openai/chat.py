@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from engine import tools as tool_format
 from engine.api import RequestOutput, TokenLogprob
 from server import protocol
-from server.errors import as_api_error, invalid
+from server.errors import as_api_error
 from server.generation import TokenBudget, parse, submit
 from server.openai import records
 from server.openai.bodies import (
@@ -39,15 +39,10 @@ from server.streaming import Choice, EventStreamResponse, sse, updates, wait
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     req = await parse(state, request, ChatRequest)
     records.check_chat_only(req)
-    messages = protocol.conversation(req.messages)
-    structure = records.structured_outputs(req)  # the format of a reply that is not a call
-    tools = protocol.tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
-    if tools is not None:
-        messages = tools.render(messages)  # rendered whatever tool_choice says
-        try:
-            structure = tools.constraint(structure)
-        except ValueError as exc:
-            raise invalid(str(exc)) from None
+    tools, (messages, structure) = protocol.tool_prompt(
+        state.engine, protocol.conversation(req.messages), req.tools, req.tool_choice,
+        req.parallel_tool_calls, records.structured_outputs(req),  # a reply that is no call
+    )
     calling = tools is not None and tools.calling  # "none" leaves the reply's format
     texts = [m["content"] for m in messages]
     ids = await state.encode(messages, "messages", texts, req.truncate_prompt_tokens)

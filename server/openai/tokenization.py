@@ -28,10 +28,10 @@ async def tokenize(state: ServerState, request: Request) -> Response:
     if req.tools is not None and req.messages is None:
         raise invalid("tools: only with 'messages' (they are rendered into the conversation)")
     if req.messages is not None:
-        messages = protocol.conversation(req.messages)
-        tools = protocol.tool_use(req.tools)
-        if tools is not None:  # counted as the chat request counts them
-            messages = tools.render(messages)
+        # rendered as the chat request renders it, tools included: the counts agree
+        _, (messages, _) = protocol.tool_prompt(
+            state.engine, protocol.conversation(req.messages), req.tools
+        )
         ids = await state.encode(messages, "messages", [m["content"] for m in messages])
     else:
         if not isinstance(req.prompt, str):

@@ -28,7 +28,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.api import RequestOutput, ToolCall
+from engine.api import EngineClient, RequestOutput, ToolCall
 from server import protocol
 from server.checks import check_auth
 from server.errors import APIError, as_api_error, invalid, not_found
@@ -43,7 +43,9 @@ from server.streaming import Choice, EventStreamResponse, sse, updates, wait
 class Turn:
     """One ``POST /v1/responses`` on its way: what it continues, what it sends the engine."""
 
-    def __init__(self, req: ResponsesRequest, previous: StoredResponse | None) -> None:
+    def __init__(
+        self, engine: EngineClient, req: ResponsesRequest, previous: StoredResponse | None
+    ) -> None:
         self.req = req
         self.tenant = req.cache_salt or ""
         self.previous = previous
@@ -55,22 +57,21 @@ class Turn:
         ]
         earlier = [*previous.items, *previous.body.get("output", [])] if previous else []
         self.items = [*earlier, *shapes.as_items(req.input)]
-        tools = shapes.chat_tools(req.tools)
+        # The conversation the engine renders: instructions, then the history.
+        messages = protocol.conversation(
+            msgspec.convert(self.history, list[protocol.ChatMessage]), "input"
+        )
+        if req.instructions:
+            messages = [{"role": "system", "content": req.instructions}, *messages]
         try:
-            self.tools = protocol.tool_use(
-                tools, shapes.chat_tool_choice(req.tool_choice), req.parallel_tool_calls
+            self.tools, (self.messages, self.structure) = protocol.tool_prompt(
+                engine, messages, shapes.chat_tools(req.tools),
+                shapes.chat_tool_choice(req.tool_choice), req.parallel_tool_calls,
+                shapes.text_format(req.text),
             )
         except APIError as exc:  # chat's field names in the Responses API's flat ones
             raise shapes.flat_tool_error(exc) from None
         self.ids: list[int] = []
-
-    def messages(self) -> list[dict[str, str]]:
-        """The conversation the engine renders: instructions, then the history."""
-        chat = msgspec.convert(self.history, list[protocol.ChatMessage])
-        messages = protocol.conversation(chat, "input")
-        if self.req.instructions:
-            messages = [{"role": "system", "content": self.req.instructions}, *messages]
-        return self.tools.render(messages) if self.tools is not None else messages
 
     def calls(self, output: RequestOutput) -> tuple[list[ToolCall], bool]:
         """The reply's calls and whether they are whole (none: a plain reply)."""
@@ -111,25 +112,18 @@ async def create_response(state: ServerState, request: Request) -> Response:
             )
     if req.store and not await asyncio.to_thread(store.room_for):
         raise _store_full()
-    turn = Turn(req, previous)
-    structure = shapes.text_format(req.text)
+    turn = Turn(state.engine, req, previous)
     calling = turn.tools is not None and turn.tools.calling
-    if turn.tools is not None:
-        try:
-            structure = turn.tools.constraint(structure)
-        except ValueError as exc:
-            raise invalid(str(exc)) from None
-    messages = turn.messages()
-    texts = [m["content"] for m in messages]
+    texts = [m["content"] for m in turn.messages]
     continuing = previous.token_ids if previous is not None else None
-    turn.ids = await state.encode(messages, "input", texts, continuing=continuing)
+    turn.ids = await state.encode(turn.messages, "input", texts, continuing=continuing)
     budget = TokenBudget("max_output_tokens", req.max_output_tokens)
     params = protocol.choice_params(
         req,
         budget.tokens(len(turn.ids), state.engine.max_context),
         req.top_logprobs,
         renames={"max_new_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
-        structure=structure,
+        structure=turn.structure,
     )
     renames = {f"structured_outputs.{k}": "tools" for k in ("json", "grammar")} if calling else {
         "structured_outputs.json": shapes.TEXT_FORMAT_SCHEMA,

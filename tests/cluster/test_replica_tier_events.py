@@ -27,7 +27,7 @@ def greedy() -> SamplingParams:
 def places(eng: Engine) -> dict[int, PageTier]:
     """What the engine holds, each page at its best place (read at idle)."""
     assert eng.wait_idle(timeout=60)
-    return kv_places(eng._loop._scheduler.kv)
+    return kv_places(eng._loop._kv)
 
 
 @pytest.fixture

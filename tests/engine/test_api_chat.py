@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine_helpers import greedy
 
 from engine.api import RequestOutput
-from engine.serving.chat import continue_tokens
+from engine.serving.conversation import continue_tokens
 
 TURNS = [
     "Hi! Who are you?",

@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import assert_idle_accounting, greedy
 
 from engine.api import EngineDeadError
-from engine.serving import engine as serving_engine
+from engine.serving import job as serving_job
 from engine.serving.detokenizer import IncrementalDetokenizer
 
 
@@ -29,7 +29,7 @@ class DetokenizerBrokenAtThirdToken(IncrementalDetokenizer):
 
 def submit_broken(engine, monkeypatch, prompt: str, stream: bool = False):
     with monkeypatch.context() as patch:
-        patch.setattr(serving_engine, "IncrementalDetokenizer", DetokenizerBrokenAtThirdToken)
+        patch.setattr(serving_job, "IncrementalDetokenizer", DetokenizerBrokenAtThirdToken)
         return engine.submit(prompt, greedy(20), stream=stream)
 
 

@@ -69,7 +69,7 @@ def test_answers_loaded_from_each_tier_equal_answers_with_no_cache(
 def _tree_pages(eng: Engine) -> dict[int, bytes]:
     """Content address -> KV bytes of every page the pool's tree holds now (engine idle)."""
     assert eng.wait_idle(timeout=60)
-    kv = eng._loop._scheduler.kv
+    kv = eng._loop._kv
     pool = eng._loop._runner.pool
     pages = kv.tree.walk_pages()
     return dict(zip((p.key for p in pages), pool.read_pages([p.page for p in pages])))

@@ -8,7 +8,7 @@ from engine_helpers import greedy
 from cluster.remote import RemoteEngine
 from engine import load_front
 from engine.api import EngineClient, PromptIds
-from engine.serving import prompts
+from engine.serving import inputs
 
 
 def test_the_engine_and_the_replicas_front_are_engine_clients(engine) -> None:
@@ -19,13 +19,13 @@ def test_the_engine_and_the_replicas_front_are_engine_clients(engine) -> None:
 
 def test_encoded_ids_are_checked_once(engine, monkeypatch) -> None:
     checks = []
-    real = prompts.check_token_ids
+    real = inputs.check_token_ids
 
     def counting(ids, vocab_size, field):
         checks.append(field)
         return real(ids, vocab_size, field)
 
-    monkeypatch.setattr(prompts, "check_token_ids", counting)
+    monkeypatch.setattr(inputs, "check_token_ids", counting)
     ids = engine.encode([{"role": "user", "content": "Hello there"}], field="messages")
     assert isinstance(ids, PromptIds) and checks == ["messages"]
     out = engine.submit(ids, greedy(4)).result()

@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import StructuredOutputsParams
-from engine.serving.tools import SEPARATORS, CallScanner, calls_text, parse_tool_calls, scan_calls
+from engine.serving.tools.radixkv import (
+    SEPARATORS,
+    CallScanner,
+    calls_text,
+    parse_tool_calls,
+    scan_calls,
+)
 
 WEATHER = {
     "type": "object",

@@ -125,7 +125,7 @@ def verified_invariant(loaded: LoadedModel, asked: bool, runner: ModelRunner) ->
     warnings.warn(
         f"batch_invariant: the {name} forward was not verified on this CPU ({why}); "
         "greedy answers may depend on the batch and the cache",
-        stacklevel=4,
+        stacklevel=5,
     )
     return False
 
@@ -135,4 +135,4 @@ def warn_if_slow_dtype(platform: Platform, dtype: torch.dtype) -> None:
     kernels for it)."""
     message = platform.dtype_warning(dtype)
     if message is not None:
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)

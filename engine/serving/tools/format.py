@@ -1,0 +1,73 @@
+"""``ToolFormat``: how a model family writes tools into a conversation and calls into a reply.
+
+The plug point for tool calling: ``ToolUse`` (every door's one object) speaks only through
+it, so a family's own format (a different section in the system turn, calls in tags of its
+own) is one more implementation, and nothing above changes. radixkv's own format, for models
+without one, is ``engine.serving.tools.radixkv.RADIXKV``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from engine.api.outputs import ToolCall
+from engine.serving.tools.checks import ToolChoice
+from scheduler import StructuredOutputsParams
+
+
+class CallReader(Protocol):
+    """A reply in a tool format read as it grows (append-only)."""
+
+    text: str
+
+    def feed(self, text: str) -> Any: ...
+
+    def spans(self) -> list[tuple[str, int, int | None]]:
+        """Each call's name and where its arguments begin and end (None: not yet) in
+        ``text``."""
+        ...
+
+
+class ToolFormat(Protocol):
+    """How a model family writes tools into a conversation and calls into a reply."""
+
+    def render(
+        self, messages: list[dict[str, str]], functions: list[dict[str, Any]]
+    ) -> list[dict[str, str]]:
+        """The conversation with the tools written where the model reads them."""
+        ...
+
+    def render_calls(self, calls: Sequence[tuple[str, str]]) -> str:
+        """An assistant turn that made ``calls`` ((name, arguments JSON) pairs), as the model
+        wrote it, so a history re-encodes to the tokens it generated."""
+        ...
+
+    def constraint(
+        self, choice: ToolChoice, parallel: bool, reply: StructuredOutputsParams | None
+    ) -> StructuredOutputsParams | None:
+        """What the reply must match for ``choice``; ``reply``, the format of a reply that is
+        not a call. ValueError naming what cannot be combined."""
+        ...
+
+    def may_be_call(self, text: str) -> bool:
+        """Whether ``text`` (or the reply it begins) is a call rather than a plain reply."""
+        ...
+
+    def reader(self) -> CallReader:
+        """A reader for a reply as it streams."""
+        ...
+
+    def parse(self, text: str) -> list[ToolCall] | None:
+        """The calls of a finished reply; None for a plain reply or one cut short."""
+        ...
+
+    def cut(self, text: str) -> list[ToolCall]:
+        """The calls of a reply cut short, their arguments as far as they got."""
+        ...
+
+
+def new_call_id() -> str:
+    """The id a call gets when it is read from a reply (OpenAI's ``call_...``)."""
+    return f"call_{uuid.uuid4().hex[:24]}"

@@ -362,6 +362,9 @@ def test_a_stop_right_after_start_up_exits_cleanly_and_leaves_no_process() -> No
     assert left == [], left
 
 
+SHORT, LONG = 12, 2000  # max_tokens of the two streams the SIGTERM test holds open
+
+
 def test_sigterm_refuses_new_requests_lets_short_streams_finish_and_ends_long_ones() -> None:
     """As one engine's server: after SIGTERM new requests get a 503, a stream that ends
     within --grace-period runs to its end, one that does not gets a last chunk
@@ -370,12 +373,14 @@ def test_sigterm_refuses_new_requests_lets_short_streams_finish_and_ends_long_on
 
     try:
         server = ServerProcess(
-            "--replicas", "2", "--threads", "1", "--num-pages", "96", "--grace-period", "4",
+            "--replicas", "2", "--threads", "1", "--num-pages", "160", "--grace-period", "8",
             module="cluster.cli", ready_timeout=240.0,
         )
     except RuntimeError as exc:
         pytest.skip(f"Ray Serve could not start here: {str(exc)[-2000:]}")
-    received: dict[int, list[str]] = {20: [], 1000: []}
+    # Short: a few tokens, done within the grace period even beside busy processes (20 tokens
+    # in 4 s were not, under load). Long: more than the fastest host decodes in it.
+    received: dict[int, list[str]] = {SHORT: [], LONG: []}
 
     def stream(max_tokens: int) -> None:
         body = {"model": "SmolLM2-135M-Instruct", "prompt": f"A story, part {max_tokens}:",
@@ -411,7 +416,7 @@ def test_sigterm_refuses_new_requests_lets_short_streams_finish_and_ends_long_on
     finally:
         if server.process.poll() is None:
             server.stop(timeout=90)
-    short, long = received[20], received[1000]
+    short, long = received[SHORT], received[LONG]
     assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2], short[-3:]
     assert long[-1] == "data: [DONE]" and '"finish_reason":"abort"' in long[-2], long[-3:]
 

@@ -11,7 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model.cpu.products import PackedWeight, load_products
+from engine.model.cpu.products import (
+    PackedWeight,
+    load_products,
+    tiles_keep_their_contract,
+    tiles_usable,
+)
 from engine.model.platform import NONE, RMSNORM, SILU_MUL
 
 # SmolLM2-135M's products (K, N): fused qkv, o, fused gate/up, down, LM head; and odd sizes.
@@ -157,3 +162,58 @@ def test_a_weight_that_does_not_match_the_input_is_refused(kernel: ModuleType) -
     packed = PackedWeight(kernel, torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="features"):
         packed(torch.randn(3, 65))
+
+
+def test_a_build_without_tiles_says_why_and_refuses_the_tile_layout(kernel: ModuleType) -> None:
+    """Where the build has no AMX path (every machine without amx_bf16), bfloat16 weights keep
+    today's layout, the self-test names the reason, and the tile layout is a RuntimeError."""
+    if kernel.tiles_built():
+        pytest.skip("this build has the AMX tile path (the tile tests below cover it)")
+    assert not tiles_usable(kernel)
+    assert "no AMX tile path" in (tiles_keep_their_contract(kernel) or "")
+    w = torch.randn(64, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="AMX"):
+        kernel.pack_tiles(w)
+    fake = torch.zeros(4, 2, 512, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="AMX"):
+        kernel.dense(torch.zeros(1, 64), fake, 64, NONE, None, 0.0, None, None, 1)
+
+
+needs_tiles = pytest.mark.skipif(
+    not (load_products() is not None and tiles_usable(load_products())),
+    reason="no usable AMX tiles here (needs amx_bf16 granted by Linux: Sapphire Rapids or later)",
+)
+
+
+@needs_tiles
+def test_tile_products_pass_their_self_test_in_this_process(kernel: ModuleType) -> None:
+    assert tiles_keep_their_contract(kernel) is None
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+def test_tile_rows_are_bit_identical_in_calls_of_1_to_512_rows(
+    kernel: ModuleType, shape: tuple[int, int]
+) -> None:
+    """The AMX product keeps the portable kernel's contract: a row's bits are the same alone,
+    in calls of any row count up to 512, cut anywhere, on one thread or two, with the fused
+    RMSNorm, bias and residual; and within float32 rounding of a float64 reference."""
+    k, n = shape
+    gen = torch.Generator().manual_seed(k * 3 + n)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    packed = PackedWeight(kernel, w, torch.randn(n, generator=gen), tiles=True)
+    assert packed.tiles and packed.path() == "amx-tiles/bf16"
+    x = torch.randn(512, k, generator=gen)
+    res = torch.randn(512, n, generator=gen)
+    norm = torch.rand(k, generator=gen) + 0.5
+
+    def run(a: int, z: int, threads: int) -> torch.Tensor:
+        return packed(x[a:z], RMSNORM, norm, 1e-5, res[a:z], threads)
+
+    whole = run(0, 512, 2)
+    for rows in (1, 2, 15, 16, 17, 31, 33, 100, 255, 511):
+        assert torch.equal(run(0, rows, 1), whole[:rows]), f"{rows} rows"
+        assert torch.equal(run(512 - rows, 512, 2), whole[512 - rows :]), f"last {rows} rows"
+    plain = PackedWeight(kernel, w, tiles=True)(x, threads=2).double()
+    want = x.bfloat16().double() @ w.double().T
+    assert (plain - want).abs().max() <= 1e-5 * (k**0.5) * want.abs().max()

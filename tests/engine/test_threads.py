@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -86,3 +87,22 @@ def test_a_thread_frees_its_openmp_team_and_its_next_pass_computes_the_same(
         assert torch.equal(runner.forward(batch), first)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "cap"),
+    [("50000 100000\n", 1), ("150000 100000\n", 2), ("max 100000\n", None), ("garbage", None)],
+)
+def test_cores_granted_is_capped_by_a_cgroup_quota(
+    tmp_path: Any, cpu_max: str, cap: int | None
+) -> None:
+    """A quota of 1.5 CPUs grants 2 threads' worth of turns, 0.5 CPU one; none: the CPUs the
+    process may run on."""
+    from engine.model.cpu.threads import cores_granted
+
+    path = tmp_path / "cpu.max"
+    path.write_text(cpu_max)
+    affinity = len(os.sched_getaffinity(0))
+    want = affinity if cap is None else min(cap, affinity)
+    assert cores_granted(str(path)) == want
+    assert cores_granted(str(tmp_path / "missing")) == affinity

@@ -7,7 +7,9 @@ the case's floor: decode is bounded by reading the weights and the KV once per s
 bandwidth, prefill by its FLOPs at the measured matrix-product peak (the faster of torch's
 BLAS and our products, with the same threads). Configurations are
 interleaved and the median of repeats is quoted, because CPU speed drifts from minute to
-minute. ``--verify-rows 1 3 5 9`` prints instead the milliseconds of one pass by requests x rows
+minute. ``--beside N`` times every configuration also beside N busy processes (held stopped
+between its runs), interleaved with the quiet runs: what a shared machine leaves of the speed.
+``--verify-rows 1 3 5 9`` prints instead the milliseconds of one pass by requests x rows
 per request x context: what a speculative draft row costs next to the pass it rides in.
 """
 
@@ -28,6 +30,7 @@ from engine.model.cpu.malloc_tuning import keep_freed_memory
 from engine.model.cpu.products import PackedWeight, load_products
 from engine.model.cpu.threads import ThreadPolicy
 from engine.model.runner import ModelRunner
+from workloads.model_bench.neighbours import Neighbours
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request
@@ -244,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--verify-rows", type=int, nargs="*", default=[], metavar="ROWS",
                     help="instead: ms of one pass where each request of each --decode-batch "
                     "feeds ROWS tokens (a verify of ROWS - 1 drafts), at each --verify-context")
+    ap.add_argument("--beside", type=int, default=0, metavar="N",
+                    help="also time every configuration beside N busy processes, interleaved "
+                    "with its quiet runs (workloads.model_bench.neighbours)")
     ap.add_argument("--verify-context", type=int, nargs="*", default=[128, 512, 1100])
     args = ap.parse_args(argv)
     if args.threads:
@@ -290,7 +296,14 @@ def main(argv: list[str] | None = None) -> None:
             step_bytes = weights + kv_bytes(loaded, b * (args.context + steps // 2))
             floor = steps * step_bytes / bandwidth
             cases.append((f"decode b={b} ctx={args.context}", b * steps, floor, fns))
-        rows = measure(cases, args.repeats)
+        if args.beside:
+            with Neighbours(args.beside) as neighbours:
+                for _, _, _, fns in cases:
+                    for name in list(fns):
+                        fns[f"{name} beside {args.beside}"] = neighbours.beside(fns[name])
+                rows = measure(cases, args.repeats)
+        else:
+            rows = measure(cases, args.repeats)
     print(
         f"model_bench: dtype={loaded.dtype}, product threads={exact.runner.product_threads}, "
         f"page_size={args.page_size}, exact attention: {exact.runner.backend.kernel_name}, "
@@ -300,13 +313,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     names = list(rows[0].seconds)
     header = "".join(f"{n + ' tok/s':>20}" for n in names)
-    print(f"{'case':<22}{header}{'floor tok/s':>14}{'exact/floor':>13}{'exact/fast':>12}")
+    beside = f"exact beside {args.beside}"
+    shared = f"{'beside/quiet':>14}" if args.beside else ""
+    print(
+        f"{'case':<22}{header}{'floor tok/s':>14}{'exact/floor':>13}{'exact/fast':>12}{shared}"
+    )
     for r in rows:
         vals = "".join(f"{r.tok_s(n):>20.1f}" for n in names)
         floor_tok_s = r.tokens / r.floor_s
+        ratio = f"{r.tok_s(beside) / r.tok_s('exact'):>13.2f}x" if args.beside else ""
         print(
             f"{r.case:<22}{vals}{floor_tok_s:>14.1f}"
             f"{r.seconds['exact'] / r.floor_s:>12.2f}x{r.tok_s('exact') / r.tok_s('fast'):>12.2f}"
+            f"{ratio}"
         )
 
 

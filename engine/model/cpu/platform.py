@@ -29,7 +29,7 @@ from engine.model.cpu.machine import (
     machine_memory_bytes,
 )
 from engine.model.cpu.malloc_tuning import keep_freed_memory
-from engine.model.cpu.products import PackedWeight, load_products
+from engine.model.cpu.products import PackedWeight, load_products, tiles_usable
 from engine.model.cpu.threads import ThreadPolicy, release_openmp_team
 from engine.model.forward_batch import IndexPacker
 from engine.model.kv_pool import KVPool
@@ -86,7 +86,10 @@ class CpuPlatform(Platform):
         if dtype not in PACKED_DTYPES:
             return None
         kernel = load_products()
-        return None if kernel is None else functools.partial(PackedWeight, kernel)
+        if kernel is None:
+            return None
+        tiles = dtype == torch.bfloat16 and tiles_usable(kernel)
+        return functools.partial(PackedWeight, kernel, tiles=tiles)
 
     @property
     def product_threads(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,27 @@ PARALLEL_MIN_TOKENS = 128
 # torch's thread count as the process started (its default: the machine's cores), read before
 # any pass lowers it: a policy made after a decode step would otherwise get that step's one.
 STARTING_THREADS = torch.get_num_threads()
+CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD", or "max PERIOD"
+
+
+def cores_granted(cpu_max: str = CPU_MAX) -> int | None:
+    """The cores this process may use: the CPUs it may run on, fewer where a cgroup quota
+    (``docker --cpus``, a Kubernetes limit) grants less time than that; None where unknown.
+
+    A thread beyond them never runs at the same time as the others, so a call split over it
+    waits for the scheduler to give it a turn."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count()
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores or 1 << 30, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 @dataclass(frozen=True)
@@ -38,8 +61,11 @@ class ThreadPolicy:
     @classmethod
     def default(cls, threads: int | None) -> ThreadPolicy:
         """``threads`` at most; None: torch's thread count when this module was imported
-        (its default, the machine's cores, unless the caller set it before)."""
-        return cls(STARTING_THREADS if threads is None else threads)
+        (its default, the machine's cores, unless the caller set it before), but no more than
+        the cores the process is granted (``cores_granted``)."""
+        if threads is not None:
+            return cls(threads)
+        return cls(max(1, min(STARTING_THREADS, cores_granted() or STARTING_THREADS)))
 
     def threads_for(self, num_tokens: int) -> int:
         return self.max_threads if num_tokens >= self.parallel_min_tokens else 1

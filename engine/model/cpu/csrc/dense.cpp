@@ -21,7 +21,6 @@
 // exception leaves it: a bad call is a RuntimeError (see guard.h).
 
 #include <torch/extension.h>
-#include <omp.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -34,6 +33,8 @@
 #include <vector>
 
 #include "guard.h"
+#include "team.h"
+#include "tiles.h"
 
 namespace {
 
@@ -421,6 +422,77 @@ torch::Tensor pack(torch::Tensor w) {
   return out;
 }
 
+#if defined(RADIXKV_TILES)
+constexpr bool kTilesBuilt = true;
+constexpr int64_t kTileElems = radixkv_tiles::kTileElems;
+#else
+constexpr bool kTilesBuilt = false;
+constexpr int64_t kTileElems = 512;  // the layout's last dim, refused where not built
+#endif
+constexpr int64_t TILE_CLAIM = 16;  // panels of 16 columns an item computes (256 columns)
+
+// w [N, K] bfloat16 -> the AMX tiles' layout [panels of 16, K / 32, 512] (tiles.h).
+torch::Tensor pack_tiles(torch::Tensor w) {
+  check_cpu(w, "w");
+  ARG_CHECK(kTilesBuilt, "pack_tiles: this build has no AMX tile path");
+  ARG_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w: bfloat16 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t panels = (N + 15) / 16, blocks = (K + 31) / 32;
+  auto out = torch::zeros({panels, blocks, kTileElems}, w.options());
+#if defined(RADIXKV_TILES)
+  auto wc = w.contiguous();
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t p = 0; p < panels; ++p)
+    radixkv_tiles::pack_panel(src, N, K, p * 16, dst + p * blocks * kTileElems);
+#endif
+  return out;
+}
+
+#if defined(RADIXKV_TILES)
+// Panels p0..p1 (of 16 columns) for every row, in tiles of up to 16 rows and two panels; the
+// configuration set on this thread for the item and released after it.
+void tile_sweep(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t blocks, int64_t M,
+                int64_t p0, int64_t p1, float* y, int64_t ldy, int64_t n_valid,
+                const Epilogue& e) {
+  alignas(64) float out[16 * 32];
+  int configured = 0;
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
+    if (mr != configured) {
+      radixkv_tiles::configure(mr);
+      configured = mr;
+    }
+    for (int64_t p = p0; p < p1; p += 2) {
+      const int pn = p + 2 <= p1 ? 2 : 1;
+      radixkv_tiles::product(x + m0 * ldx, ldx, w, blocks, p, pn, out);
+      for (int r = 0; r < mr; ++r) {
+        float* row = y + (m0 + r) * ldy;
+        const float* res = e.residual ? e.residual + (m0 + r) * e.ldr : nullptr;
+        for (int c = 0; c < pn * 16; ++c) {
+          const int64_t n = p * 16 + c;
+          if (n >= n_valid) break;
+          float v = out[r * 32 + c];
+          if (e.bias) v = v + e.bias[n];
+          if (res) v = res[n] + v;
+          row[n] = v;
+        }
+      }
+    }
+  }
+  radixkv_tiles::release();
+}
+#endif
+
+// Asks Linux for the tile registers (once per process; idempotent): true where granted.
+bool request_tiles() {
+#if defined(RADIXKV_TILES)
+  return radixkv_tiles::request_tiles();
+#else
+  return false;
+#endif
+}
+
 // y = prologue(x) @ w (+ bias) (+ residual), float32 [M, n].
 torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t prologue,
                     c10::optional<torch::Tensor> norm_weight, double eps,
@@ -438,18 +510,23 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
                 (packed.scalar_type() == torch::kFloat ||
                  packed.scalar_type() == torch::kBFloat16),
             "packed: a contiguous float32 or bfloat16 [panels, K, ", NR, "] from pack()");
-  const bool dot = packed.scalar_type() == torch::kBFloat16 && kDotBF16;
-  ARG_CHECK(packed.size(2) == (dot ? 2 * NR : NR), "packed: [panels, K, ",
+  const bool tiles = packed.scalar_type() == torch::kBFloat16 && packed.size(2) == kTileElems;
+  ARG_CHECK(!tiles || kTilesBuilt, "packed: the AMX tile layout, which this build cannot run");
+  const bool dot = !tiles && packed.scalar_type() == torch::kBFloat16 && kDotBF16;
+  const bool bf16_rows = dot || tiles;  // x staged as bfloat16 rows
+  ARG_CHECK(tiles || packed.size(2) == (dot ? 2 * NR : NR), "packed: [panels, K, ",
             dot ? 2 * NR : NR, "] from pack(), got ", packed.size(2), " in its last dim");
   ARG_CHECK(threads >= 1 && threads <= radixkv::kMaxThreads, "threads: 1 to ",
             radixkv::kMaxThreads, ", got ", threads);
   const int64_t M = x.size(0);
   const int64_t K_in = prologue == SILU_MUL ? x.size(1) / 2 : x.size(1);
-  const int64_t K = packed.size(1);  // float path: K; dot path: K / 2 pairs
-  ARG_CHECK((dot ? 2 * K : K) >= K_in && (dot ? 2 * K - K_in <= 1 : K == K_in),
+  const int64_t K = packed.size(1);  // float path: K; dot path: K / 2 pairs; tiles: K / 32
+  const int64_t per_k = tiles ? 32 : dot ? 2 : 1;  // values of k per step of packed.size(1)
+  ARG_CHECK(per_k * K >= K_in && per_k * K - K_in < per_k,
             "x: its features do not match the packed weight");
-  ARG_CHECK(n >= 0 && n <= packed.size(0) * NR, "n: 0 to the ", packed.size(0) * NR,
-            " columns packed, got ", n);
+  const int64_t panel_cols = tiles ? 16 : NR;
+  ARG_CHECK(n >= 0 && n <= packed.size(0) * panel_cols, "n: 0 to the ",
+            packed.size(0) * panel_cols, " columns packed, got ", n);
   const float* nw = nullptr;
   if (prologue == RMSNORM) {
     ARG_CHECK(norm_weight.has_value() && norm_weight->device().is_cpu() &&
@@ -480,66 +557,64 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
   const int64_t ldx = x.stride(0);
   // Every data pointer is taken here, on the calling thread (data_ptr<T> throws on a dtype
   // mismatch; nothing inside the region may).
-  const void* wp = dot || packed.scalar_type() == torch::kBFloat16
+  const void* wp = packed.scalar_type() == torch::kBFloat16
                        ? static_cast<const void*>(packed.data_ptr<at::BFloat16>())
                        : static_cast<const void*>(packed.data_ptr<float>());
   // The input as the product reads it: transformed rows, or bf16 pairs for the dot path.
-  const bool staged = prologue != NONE || dot;
-  const int64_t lds = dot ? 2 * K : K;
-  std::vector<float> stage_f(staged && !dot ? M * lds : 0);
-  std::vector<uint16_t> stage_h(dot ? M * lds : 0);
-  const int64_t panels = (n + NR - 1) / NR;
+  const bool staged = prologue != NONE || bf16_rows;
+  const int64_t lds = per_k * K;
+  std::vector<float> stage_f(staged && !bf16_rows ? M * lds : 0);
+  std::vector<uint16_t> stage_h(bf16_rows ? M * lds : 0);
+  const int64_t panels = (n + panel_cols - 1) / panel_cols;
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
   float* yp = y.data_ptr<float>();
-  std::atomic<int64_t> next{0};
-  radixkv::RegionErrors errors;  // no exception leaves the region; rethrown after it
-
-#pragma omp parallel num_threads(nt)
-  {
-    if (staged) {
-      std::vector<float> row;
-      errors.run([&] { row.resize(dot ? K_in : 0); });
-#pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m) {
-        errors.run([&] {
-          const float* src = xp + m * ldx;
-          float* to = dot ? row.data() : stage_f.data() + m * lds;
-          if (prologue == RMSNORM) rmsnorm_row(src, K_in, nw, eps, to);
-          else if (prologue == SILU_MUL) silu_mul_row(src, K_in, to);
-          else std::memcpy(to, src, K_in * sizeof(float));
-          if (dot) {
-            uint16_t* h = stage_h.data() + m * lds;
-            bf16_row(to, K_in, h);
-            for (int64_t k = K_in; k < lds; ++k) h[k] = 0;
-          }
-        });
-      }  // implicit barrier: every row staged before any product reads it
+  // Staging (phase 0, a row an item) before the products (phase 1, runs of CLAIM panels):
+  // every row is staged before any product reads it. Which thread computes a column never
+  // changes what it computes.
+  std::vector<std::vector<float>> rows(bf16_rows ? nt : 0);  // a worker's float row
+  const int64_t claim = tiles ? TILE_CLAIM : CLAIM;
+  const int64_t runs = (panels + claim - 1) / claim;
+  const bool float_weights = packed.scalar_type() == torch::kFloat;
+  radixkv::run_phases(nt, {staged ? M : 0, runs}, [&](int phase, int64_t item, int worker) {
+    if (phase == 0) {
+      const int64_t m = item;
+      const float* src = xp + m * ldx;
+      float* to = stage_f.data() + m * lds;
+      if (bf16_rows) {
+        rows[worker].resize(K_in);
+        to = rows[worker].data();
+      }
+      if (prologue == RMSNORM) rmsnorm_row(src, K_in, nw, eps, to);
+      else if (prologue == SILU_MUL) silu_mul_row(src, K_in, to);
+      else std::memcpy(to, src, K_in * sizeof(float));
+      if (bf16_rows) {
+        uint16_t* h = stage_h.data() + m * lds;
+        bf16_row(to, K_in, h);
+        for (int64_t k = K_in; k < lds; ++k) h[k] = 0;
+      }
+      return;
     }
-    // Columns are claimed in runs of CLAIM panels, first come first served: a thread that
-    // the OS preempts (another process on the core) holds up only the run it is in, and
-    // which thread computes a column never changes what it computes.
-    auto each_run = [&](auto&& sweep_run) {
-      errors.run([&] {
-        for (int64_t p0 = next.fetch_add(CLAIM); p0 < panels; p0 = next.fetch_add(CLAIM))
-          sweep_run(p0, std::min<int64_t>(panels, p0 + CLAIM));
-      });
-    };
-    if (dot) {
+    const int64_t p0 = item * claim, p1 = std::min<int64_t>(panels, p0 + claim);
+    if (tiles) {
+#if defined(RADIXKV_TILES)
+      tile_sweep(stage_h.data(), lds, static_cast<const uint16_t*>(wp), K, M, p0, p1, yp, n, n,
+                 e);
+#endif
+    } else if (dot) {
 #if defined(__AVX512BF16__)
       const DotKernel kn{stage_h.data(), lds, static_cast<const uint16_t*>(wp), K, yp, n, n, e};
-      each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
+      sweep(kn, M, p0, p1);
 #endif
-    } else if (packed.scalar_type() == torch::kFloat) {
+    } else if (float_weights) {
       const FmaKernel<float> kn{staged ? stage_f.data() : xp, staged ? lds : ldx,
                                 static_cast<const float*>(wp), K, yp, n, n, e};
-      each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
+      sweep(kn, M, p0, p1);
     } else {
       const FmaKernel<uint16_t> kn{staged ? stage_f.data() : xp, staged ? lds : ldx,
                                    static_cast<const uint16_t*>(wp), K, yp, n, n, e};
-      each_run([&](int64_t p0, int64_t p1) { sweep(kn, M, p0, p1); });
+      sweep(kn, M, p0, p1);
     }
-  }
-  errors.rethrow();
+  });
   return y;
 }
 
@@ -547,10 +622,15 @@ std::string path_name() {
   return std::string(kDotBF16 ? "fma+bf16dot" : "fma") + "/" + std::to_string(VW * 32);
 }
 
+bool tiles_built() { return kTilesBuilt; }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "Pack a [N, K] weight into the panels dense() streams");
   m.def("dense", &dense, "Batch-invariant y = prologue(x) @ w + bias + residual");
   m.def("path_name", &path_name, "Which product the build uses, and its vector width in bits");
+  m.def("pack_tiles", &pack_tiles, "Pack a bfloat16 [N, K] weight into AMX B tiles");
+  m.def("tiles_built", &tiles_built, "Whether this build has the AMX tile path");
+  m.def("request_tiles", &request_tiles, "Ask Linux for the AMX tile registers (per process)");
 }

@@ -18,11 +18,10 @@
 // additions a whole unit makes as it goes.
 // Every argument (the pool, the plan's page ids, lengths, positions and order, the slots) is
 // checked on the calling thread before the parallel region, so its threads index only what was
-// checked; a bad call is a RuntimeError (see ../../cpu/csrc/guard.h).
+// checked; a bad call is a RuntimeError (see guard.h).
 // Built per machine with -march=native and -ffp-contract=off (contractions are explicit).
 
 #include <torch/extension.h>
-#include <omp.h>
 #if defined(__x86_64__) && defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -36,7 +35,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "../../cpu/csrc/guard.h"
+#include "guard.h"
+#include "team.h"
 
 namespace {
 
@@ -776,59 +776,40 @@ void run(const Args<scalar_t>& a, int64_t items, int threads, int64_t tokens = 0
   const Parts parts(a, shapes, threads);
   const bool split = !parts.tasks.empty();
   const int64_t claims = split ? static_cast<int64_t>(parts.tasks.size()) : work;
-  std::atomic<int64_t> next{0};
-  // Units (or parts) are claimed dynamically (they differ in cost); which thread runs one
-  // never changes what it computes. One parallel region of ``threads`` threads per call,
-  // whatever torch's own thread setting (a decode step's attention is worth both cores).
+  // Units (or parts) are claimed one at a time (they differ in cost); which thread runs one
+  // never changes what it computes. Up to ``threads`` threads per call, whatever torch's own
+  // thread setting (a decode step's attention is worth both cores). Phases: every token
+  // prepared (its K and V in the pool before any is read: a prefill's tokens read each
+  // other's keys); then the units whole, or their parts' scores, their values and the
+  // finishing sums of their rows.
   const int nt = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(threads, std::max(claims, tokens))));
-  // Every piece of work runs inside errors.run (no exception leaves the region) and every
-  // thread still reaches every barrier; the first exception is rethrown after the region.
-  radixkv::RegionErrors errors;
-#pragma omp parallel num_threads(nt)
-  {
-    if constexpr (Prepare::kActive) {
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < tokens; ++t) errors.run([&] { prepare(t); });
-    }  // implicit barrier: every token's K and V is in the pool before any is read
-    Scratch scratch;
-    if (!split) {
-      errors.run([&] {
-        for (int64_t w = next.fetch_add(1); w < work; w = next.fetch_add(1))
-          attend_unit(a, shapes[w], scratch);
-      });
+  std::vector<Scratch> scratch(nt);
+  std::vector<std::vector<double>> total(nt);
+  const int64_t prepared = Prepare::kActive ? tokens : 0;
+  const std::vector<int64_t>& starts = parts.row_start;
+  auto body = [&](int phase, int64_t item, int worker) {
+    if (phase == 0) {
+      if constexpr (Prepare::kActive) prepare(item);
+    } else if (!split) {
+      attend_unit(a, shapes[item], scratch[worker]);
+    } else if (phase == 3) {
+      const int64_t i = std::upper_bound(starts.begin(), starts.end(), item) - starts.begin() - 1;
+      finish_row(a, shapes[i], parts.shared[i], item - starts[i], total[worker]);
     } else {
-      std::vector<int64_t> mine;  // a thread's parts: their scores are still in its caches
-      errors.run([&] {
-        for (int64_t w = next.fetch_add(1); w < claims; w = next.fetch_add(1)) {
-          const Parts::Task& t = parts.tasks[w];
-          attend_unit<scalar_t, Phase::SCORES>(a, shapes[t.unit], scratch,
-                                               &parts.shared[t.unit], t.part, t.b_lo, t.b_hi);
-          mine.push_back(w);
-        }
-      });
-#pragma omp barrier
-      errors.run([&] {
-        for (const int64_t w : mine) {
-          const Parts::Task& t = parts.tasks[w];
-          attend_unit<scalar_t, Phase::VALUES>(a, shapes[t.unit], scratch,
-                                               &parts.shared[t.unit], t.part, t.b_lo, t.b_hi);
-        }
-      });
-#pragma omp barrier
-      std::vector<double> total;
-      const std::vector<int64_t>& starts = parts.row_start;
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < starts.back(); ++r) {
-        errors.run([&] {
-          const int64_t i =
-              std::upper_bound(starts.begin(), starts.end(), r) - starts.begin() - 1;
-          finish_row(a, shapes[i], parts.shared[i], r - starts[i], total);
-        });
-      }
+      const Parts::Task& t = parts.tasks[item];
+      if (phase == 1)
+        attend_unit<scalar_t, Phase::SCORES>(a, shapes[t.unit], scratch[worker],
+                                             &parts.shared[t.unit], t.part, t.b_lo, t.b_hi);
+      else
+        attend_unit<scalar_t, Phase::VALUES>(a, shapes[t.unit], scratch[worker],
+                                             &parts.shared[t.unit], t.part, t.b_lo, t.b_hi);
     }
-  }
-  errors.rethrow();
+  };
+  if (split)
+    radixkv::run_phases(nt, {prepared, claims, claims, starts.back()}, body);
+  else
+    radixkv::run_phases(nt, {prepared, work}, body);
 }
 
 // The pool's shape, once its tensors are checked.

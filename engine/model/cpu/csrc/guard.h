@@ -29,11 +29,11 @@ template <typename... Parts>
     if (!(cond)) ::radixkv::reject(__VA_ARGS__);  \
   } while (0)
 
-// The first exception thrown by any thread of a parallel region, kept and rethrown on the
-// calling thread after the region. An exception that escapes an OpenMP region ends the
-// process (std::terminate), and a thread that left its loop early would leave the others at a
-// barrier: so each piece of work runs inside ``run``, which never throws, and once one piece
-// has failed the rest are skipped (the call's output is discarded anyway).
+// The first exception thrown by any thread of a parallel call, kept and rethrown on the
+// calling thread after the call. An exception that escapes a helper thread ends the process
+// (std::terminate), and an item left half done would leave its phase unfinished: so each item
+// runs inside ``run``, which never throws, and once one has failed the rest are skipped (the
+// call's output is discarded anyway).
 class RegionErrors {
  public:
   template <typename F>
@@ -48,7 +48,7 @@ class RegionErrors {
     }
   }
 
-  // After the region (its implicit barrier orders every thread's writes before this).
+  // After the call (its last phase's end orders every thread's writes before this).
   void rethrow() const {
     if (first_) std::rethrow_exception(first_);
   }
@@ -59,8 +59,7 @@ class RegionErrors {
   std::exception_ptr first_;
 };
 
-// Calls above this many threads are refused: an OpenMP runtime that cannot start the threads
-// it is asked for ends the process.
+// Calls above this many threads are refused: a team that large would only queue for the cores.
 constexpr long kMaxThreads = 1024;
 
 }  // namespace radixkv

@@ -13,9 +13,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 SPIN = "while True: pass"
+# A process woken by SIGCONT is placed ahead of the ones that kept running (the scheduler's
+# credit for sleepers), so for its first few milliseconds it takes the core from them: a timed
+# run starts once that credit is spent, as it is on a machine whose neighbours never stop.
+SETTLE_S = 0.25
 
 
 class Neighbours:
@@ -35,6 +40,7 @@ class Neighbours:
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         self._signal(signal.SIGCONT)
+        time.sleep(SETTLE_S)
         try:
             yield
         finally:

@@ -74,12 +74,12 @@ log = logging.getLogger("radixkv.kernels")
 
 def fingerprint(source: Path, march: str = "native") -> str:
     h = xxhash.xxh64()
-    for part in (machine_key(), " ".join(cflags(march) + ldflags()), *_source_texts(source)):
+    for part in (machine_key(), " ".join(cflags(march) + ldflags()), *source_texts(source)):
         h.update(part.encode())
     return h.hexdigest()
 
 
-def _source_texts(source: Path) -> list[str]:
+def source_texts(source: Path) -> list[str]:
     """The source and every local header it includes (``#include "..."``), recursively: an
     edited header is an edited kernel."""
     texts: list[str] = []

@@ -28,7 +28,8 @@ test: setup
 # libstdc++ with it (else ASan's throw interceptor finds no __cxa_throw and every C++ exception
 # aborts). Python leaks by design: no leak check. Any finding ends the process: a failed test.
 SANITIZE_TESTS := tests/engine/test_native_attention.py tests/engine/test_products.py \
-	tests/engine/test_kernel_portability.py tests/engine/test_native_fuzz.py
+	tests/engine/test_kernel_portability.py tests/engine/test_native_fuzz.py \
+	tests/engine/test_helper_team.py
 
 sanitize: setup
 	RADIXKV_SANITIZE=1 \

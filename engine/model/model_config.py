@@ -1,4 +1,8 @@
-"""The model's shape and hyper-parameters, independent of transformers' config classes."""
+"""The model's shape and hyper-parameters, independent of transformers' config classes.
+
+One decoder serves every family; a family is the set of fields below where it differs from
+Llama's defaults. ``engine.model.families`` reads each family's HF config into them.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,23 @@ from typing import Any
 
 import msgspec
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+# Activations of the MLP's gate: SiLU (Llama, Qwen, Phi) or tanh-approximated GELU (Gemma).
+SILU, GELU_TANH = "silu", "gelu_tanh"
+
+
+class LayerAttention(msgspec.Struct, frozen=True):
+    """How one layer's attention differs from plain causal softmax(q.k / sqrt(d)) v: its
+    score scale, a soft cap on the scores (``cap * tanh(s / cap)``; 0: none) and a sliding
+    window (a query at position p sees keys p - window + 1 .. p; 0: every earlier key)."""
+
+    scale: float
+    softcap: float = 0.0
+    window: int = 0
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
-    """What our Llama-family forward needs to know; built from an HF config by ``from_hf``."""
+    """What our decoder needs to know; read from an HF config by
+    ``engine.model.families.config_from_hf``."""
 
     arch: str
     vocab_size: int
@@ -27,63 +43,38 @@ class ModelConfig(msgspec.Struct, frozen=True):
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...] = ()
+    # --- where families differ from Llama (defaults: Llama's) ---
+    o_bias: bool = False  # a bias on the attention output (Llama's attention_bias has one)
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3)
+    mlp_act: str = SILU
+    sandwich_norm: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
+    norm_plus_one: bool = False  # checkpoints store RMSNorm weights as w - 1 (Gemma)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    query_scale: float = 0.0  # attention's score scale; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2)
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window, 0 = global; (): all global
+    local_rope_theta: float = 0.0  # RoPE base of the window layers (Gemma 3); 0: rope_theta
+    rotary_dim: int = 0  # dims of a head RoPE turns (Phi's partial rotary); 0: head_dim
 
-    @classmethod
-    def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
-        """Read an HF ``PretrainedConfig`` (transformers 4.x or 5.x naming)."""
-        arch = getattr(hf_config, "model_type", None)
-        if arch not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"model_type: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
-            )
-        num_heads = int(hf_config.num_attention_heads)
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        rope = _rope_parameters(hf_config)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r} (default, llama3)")
-        scaling = None
-        if rope_type == "llama3":
-            scaling = {
-                "rope_type": "llama3",
-                "factor": float(rope["factor"]),
-                "low_freq_factor": float(rope["low_freq_factor"]),
-                "high_freq_factor": float(rope["high_freq_factor"]),
-                "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
-            }
-        # Qwen2 always carries q/k/v bias; Llama/Mistral say so in attention_bias.
-        attention_bias = arch == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-        if not eos_token_ids:
-            eos = getattr(hf_config, "eos_token_id", None)
-            eos_token_ids = (
-                tuple(eos)
-                if isinstance(eos, (list, tuple))
-                else ((int(eos),) if eos is not None else ())
-            )
-        return cls(
-            arch=arch,
-            vocab_size=int(hf_config.vocab_size),
-            hidden_size=int(hf_config.hidden_size),
-            num_layers=int(hf_config.num_hidden_layers),
-            num_heads=num_heads,
-            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(hf_config.intermediate_size),
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf_config.max_position_embeddings),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            eos_token_ids=tuple(int(t) for t in eos_token_ids),
-        )
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Layer ``layer``'s attention variant."""
+        window = self.layer_windows[layer] if self.layer_windows else 0
+        scale = self.query_scale or self.head_dim**-0.5
+        return LayerAttention(scale, self.attn_softcap, window)
 
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        return tuple(self.layer_attention(i) for i in range(self.num_layers))
 
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """transformers 5 keeps theta and scaling in ``rope_parameters``; 4.x in two attributes."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        return dict(params)
-    out: dict[str, Any] = dict(getattr(hf_config, "rope_scaling", None) or {})
-    out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    return out
+    @property
+    def plain_attention(self) -> bool:
+        """Every layer is plain causal attention at head_dim ** -0.5 (what every backend runs)."""
+        return all(a == LayerAttention(self.head_dim**-0.5) for a in self.attention_layers)
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def is_window_layer(self, layer: int) -> bool:
+        return bool(self.layer_windows) and self.layer_windows[layer] > 0

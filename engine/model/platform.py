@@ -27,8 +27,31 @@ from engine.model.kv_pool import KVPool
 from engine.model.model_config import ModelConfig
 
 # What a packed product applies to each input row before the product (its kernel's codes):
-# nothing, RMSNorm by a weight, or SiLU(gate) * up over the row's two halves.
-NONE, RMSNORM, SILU_MUL = 0, 1, 2
+# nothing, RMSNorm by a weight, or SiLU(gate) * up (GELU(gate) * up) over the row's two halves.
+NONE, RMSNORM, SILU_MUL, GELU_MUL = 0, 1, 2, 3
+
+
+class RowOps(Protocol):
+    """Row transforms between packed products, each row computed alone (so batch-invariant
+    where the products are): what some families need besides the products' own prologues."""
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        heads: int = 1,
+        residual: torch.Tensor | None = None,
+        in_place: bool = False,
+        threads: int = 1,
+    ) -> torch.Tensor:
+        """RMSNorm of each of ``heads`` equal segments of every float32 row of ``x`` by
+        ``weight`` (one value per column), plus ``residual``; into ``x`` where ``in_place``."""
+        ...
+
+    def softcap_(self, x: torch.Tensor, cap: float, threads: int = 1) -> torch.Tensor:
+        """``cap * tanh(x / cap)`` of every float32 element of ``x``, in place."""
+        ...
 
 
 class PackedProduct(Protocol):
@@ -113,6 +136,10 @@ class Platform(ABC):
     def packer(self, dtype: torch.dtype) -> Packer | None:
         """How the platform packs a linear layer's weight for its own products in ``dtype``;
         None: torch's products run (the model's weights as they are)."""
+
+    def row_ops(self) -> RowOps | None:
+        """The row transforms that go with ``packer``'s products (None where there is none)."""
+        return None
 
     @property
     @abstractmethod

@@ -91,7 +91,7 @@ class ModelRunner:
         if loaded.model.products is None:  # a model shared by engines is packed once
             packer = platform.packer(loaded.dtype)
             if packer is not None:
-                loaded.model.use_packed_products(packer)
+                loaded.model.use_packed_products(packer, platform.row_ops())
         self.product_threads = platform.product_threads
         self.backend = platform.attention_backend(
             backend, cfg, batch_invariant, self.product_threads, loaded.dtype

@@ -332,3 +332,66 @@ def test_parts_keep_the_bits_at_other_head_shapes(
         for j in range(rows):
             want = softmax_attention(q[j], keys, values, length - rows + j, scale)
             torch.testing.assert_close(cut[j], want, rtol=1e-5, atol=1e-5)
+
+
+def capped_window_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, scale: float,
+    softcap: float, window: int,
+) -> torch.Tensor:
+    """Float64 attention of one query at ``pos`` with scores capped (cap * tanh(s / cap)) and
+    only keys pos - window + 1 .. pos weighed."""
+    hkv, dim = keys.shape[1], keys.shape[2]
+    lo = max(0, pos + 1 - window) if window else 0
+    qq = q.double().view(hkv, -1, dim)
+    kk, vv = keys[lo : pos + 1].double(), values[lo : pos + 1].double()
+    s = torch.einsum("hgd,lhd->hgl", qq, kk) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    return torch.einsum("hgl,lhd->hgd", s.softmax(-1), vv).reshape(-1, dim).float()
+
+
+@pytest.mark.parametrize("softcap,window", [(3.0, 0), (0.0, 50), (2.0, 64), (0.0, 1)])
+def test_soft_cap_and_sliding_window_are_exact_and_keep_each_querys_bits(
+    kernel: ModuleType, softcap: float, window: int
+) -> None:
+    """Gemma's variants: scores capped before the maximum, keys before the window weighed
+    zero. Equal to float64 attention, and each query's bits the same alone, batched, in a
+    prefill chunk across the window's edge and in a lone long decode cut into parts."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [700, 130, 45, 64]
+    ks = [torch.randn(n, HKV, D, generator=gen) * 2 for n in lens]
+    vs = [torch.randn(n, HKV, D, generator=gen) for n in lens]
+    pool = Pool(ks, vs, 16, torch.float32, seed=11)
+    scale = 0.3
+    qo = [1, 80, 1, 64]  # a long decode, a chunk across the window's edge, a short decode
+    q = torch.randn(sum(qo), HKV * G, D, generator=gen) * 2
+
+    def run(qq: torch.Tensor, qo: list[int], kv: list[int], seqs: list[int], threads: int):
+        tables = [pool.table(s, n) for s, n in zip(seqs, kv)]
+        plan = exact_attention.plan_native(qo, kv, tables, CPU)
+        return exact_attention.attend(
+            kernel, qq, pool.k, pool.v, plan, G, scale, threads, softcap, window
+        )
+
+    batched = run(q, qo, lens, [0, 1, 2, 3], 2)
+    t = 0
+    for s, (n, length) in enumerate(zip(qo, lens)):
+        for j in range(n):
+            pos = length - n + j
+            want = capped_window_attention(q[t], ks[s], vs[s], pos, scale, softcap, window)
+            torch.testing.assert_close(batched[t], want, rtol=1e-5, atol=1e-5)
+            if j in (0, n - 1):
+                for threads in (1, 2):  # two threads cut a lone query into parts
+                    alone = run(q[t : t + 1], [1], [pos + 1], [s], threads)
+                    assert torch.equal(alone[0], batched[t]), (s, j, threads)
+            t += 1
+
+
+def test_a_bad_soft_cap_or_window_is_a_runtime_error(kernel: ModuleType) -> None:
+    pool = Pool([torch.zeros(4, HKV, D)], [torch.zeros(4, HKV, D)], 16, torch.float32, seed=0)
+    plan = exact_attention.plan_native([1], [4], [pool.table(0, 4)], CPU)
+    q = torch.zeros(1, HKV * G, D)
+    with pytest.raises(RuntimeError, match="softcap"):
+        exact_attention.attend(kernel, q, pool.k, pool.v, plan, G, SCALE, 1, -1.0, 0)
+    with pytest.raises(RuntimeError, match="window"):
+        exact_attention.attend(kernel, q, pool.k, pool.v, plan, G, SCALE, 1, 0.0, -5)

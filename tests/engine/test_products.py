@@ -12,12 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.model.cpu.products import (
+    NativeRowOps,
     PackedWeight,
     load_products,
     tiles_keep_their_contract,
     tiles_usable,
 )
-from engine.model.platform import NONE, RMSNORM, SILU_MUL
+from engine.model.platform import GELU_MUL, NONE, RMSNORM, SILU_MUL
 
 # SmolLM2-135M's products (K, N): fused qkv, o, fused gate/up, down, LM head; and odd sizes.
 MODEL_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))
@@ -156,6 +157,52 @@ def test_silu_prologue_is_accurate_and_finite_across_the_float32_range(
     want = (torch.nn.functional.silu(gate.double()) * up.double()).float()
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+
+
+def test_gelu_prologue_is_tanh_gelu_across_the_float32_range(kernel: ModuleType) -> None:
+    """Gemma's GELU (transformers' gelu_pytorch_tanh) times up, finite where the gate is far
+    past float32's exp range, in whole vectors and the scalar tail (k = 37)."""
+    k = 37
+    gates = torch.tensor([-300.0, -60.0, -10.0, -3.0, -1e-3, 0.0, 1e-3, 0.5, 3.0, 10.0, 60.0,
+                          300.0])
+    gate = gates.repeat(k // len(gates) + 1)[:k]
+    packed = PackedWeight(kernel, torch.eye(k))
+    up = torch.linspace(-2.0, 2.0, k)
+    got = packed(torch.cat([gate, up])[None], GELU_MUL)[0]
+    want = (torch.nn.functional.gelu(gate.double(), approximate="tanh") * up.double()).float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-30)
+
+
+def test_row_ops_compute_what_they_name_and_keep_each_rows_bits(kernel: ModuleType) -> None:
+    """RMSNorm of rows and of each head of a row (plus a residual; in place for q/k heads), and
+    the soft cap: equal to float64, and a row's bits the same in a call of 1 row or of 50, on
+    one thread or two, at widths with and without a scalar tail."""
+    rows = NativeRowOps(kernel)
+    gen = torch.Generator().manual_seed(4)
+    for k, heads in ((64, 1), (96, 3), (37, 1)):
+        x = torch.randn(50, k, generator=gen) * 3
+        w = torch.randn(k, generator=gen)
+        res = torch.randn(50, k, generator=gen)
+        seg = x.double().view(50, heads, -1)
+        normed = (seg * torch.rsqrt(seg.pow(2).mean(-1, keepdim=True) + 1e-6)).view(50, k)
+        want = res.double() + normed * w.double()
+        got = rows.rms_norm(x, w, 1e-6, heads, res, threads=2)
+        torch.testing.assert_close(got, want.float(), rtol=2e-6, atol=2e-6)
+        for r in (0, 17, 49):
+            assert torch.equal(rows.rms_norm(x[r : r + 1], w, 1e-6, heads, res[r : r + 1]), got[r : r + 1])
+        inplace = x.clone()
+        rows.rms_norm(inplace[:, : k], w, 1e-6, heads, in_place=True)
+        assert torch.equal(inplace, rows.rms_norm(x, w, 1e-6, heads))
+        capped = rows.softcap_(x.clone() * 20, 30.0, threads=2)
+        want_cap = torch.tanh(x.double() * 20 / 30) * 30
+        torch.testing.assert_close(capped, want_cap.float(), rtol=0, atol=3e-5)
+        for r in (0, 49):
+            assert torch.equal(rows.softcap_(x[r : r + 1].clone() * 20, 30.0), capped[r : r + 1])
+    with pytest.raises(RuntimeError, match="heads"):
+        rows.rms_norm(torch.zeros(2, 10), torch.ones(10), 1e-6, 3)
+    with pytest.raises(RuntimeError, match="cap"):
+        rows.softcap_(torch.zeros(2, 10), 0.0)
 
 
 def test_a_weight_that_does_not_match_the_input_is_refused(kernel: ModuleType) -> None:

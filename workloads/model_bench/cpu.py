@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m workloads.model_bench", description=__doc__.split("\n")[0]
     )
+    ap.add_argument("--model", default=None, help="an HF checkpoint directory or .gguf file "
+                    "(default: the bundled SmolLM2; random ones of every family: "
+                    "python -m workloads.checkpoints.families)")
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: auto)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--page-size", type=int, default=16)
@@ -255,8 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # malloc as the engine's loop sets it (timings must not hang on history)
-    loaded = load_model(None, "cpu", args.dtype)
-    hf = None if args.no_transformers else load_hf_reference().to(loaded.dtype)
+    loaded = load_model(args.model, "cpu", args.dtype)
+    hf = None if args.no_transformers else load_hf_reference(args.model).to(loaded.dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
 
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             rows = measure(cases, args.repeats)
     print(
-        f"model_bench: dtype={loaded.dtype}, product threads={exact.runner.product_threads}, "
+        f"model_bench: model={loaded.config.arch} ({loaded.source.name}), dtype={loaded.dtype}, product threads={exact.runner.product_threads}, "
         f"page_size={args.page_size}, exact attention: {exact.runner.backend.kernel_name}, "
         f"products: {loaded.model.products or 'torch'}, "
         f"median of {args.repeats} interleaved repeats; "

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
+from engine.model.model_config import LayerAttention
 from engine.model.rope import Rope, apply_rope_
 
 
@@ -19,15 +21,43 @@ class AttentionBackend(ABC):
     pool at ``forward_batch.slots`` and returns the attention output for the new tokens.
     ``run_qkv`` starts one step earlier, from the fused projection's rows before RoPE, so a
     backend with a fused kernel does RoPE, the write and attention in one call.
+
+    ``layers``: each layer's variant (score scale, soft cap, sliding window) where a model
+    has them (``ModelConfig.attention_layers``); None: plain attention at head_dim ** -0.5.
+    A backend that cannot run a variant refuses it at construction (``supports``).
     """
 
     name: str = "base"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        layers: Sequence[LayerAttention] | None = None,
+    ):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = device
+        self.plain = LayerAttention(head_dim**-0.5)
+        self.layers = tuple(layers) if layers is not None else None
+        if self.layers is not None:
+            unsupported = [a for a in self.layers if not self.supports(a)]
+            if unsupported:
+                raise ValueError(
+                    f"model: its attention ({unsupported[0]}) does not run on the "
+                    f"{self.name!r} attention backend"
+                )
+
+    def supports(self, attention: LayerAttention) -> bool:
+        """Whether this backend runs ``attention`` (every backend runs plain attention)."""
+        return attention == self.plain
+
+    def layer(self, layer: int) -> LayerAttention:
+        """Layer ``layer``'s attention variant."""
+        return self.plain if self.layers is None else self.layers[layer]
 
     @property
     def kernel_name(self) -> str:

@@ -5,10 +5,13 @@ similar shape together). Per prefill group, ``plan`` precomputes the token gathe
 page table to gather K/V by whole pages and the (offset-causal) mask, so a layer only gathers
 and attends. A group of fresh prefills (no cached prefix) attends over its new K/V directly.
 The decode group reads K/V as views of the pool (``paged_decode``): no copy of the pages.
+Layers with a soft cap or a sliding window (``LayerAttention``) take a plain per-request path
+instead: every score written out, capped, masked, softmaxed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,7 @@ from engine.model.attention.cascade import CascadePlan, attend_cascade, plan_cas
 from engine.model.attention.paged_decode import DecodePieces, attend_decode, split_into_pieces
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
+from engine.model.model_config import LayerAttention
 
 # A prefill group may cost at most this much more than its requests' own q*k areas.
 MAX_PADDING_RATIO = 1.3
@@ -43,10 +47,21 @@ class _Group:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
-        super().__init__(num_heads, num_kv_heads, head_dim, device)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        layers: Sequence[LayerAttention] | None = None,
+    ):
+        super().__init__(num_heads, num_kv_heads, head_dim, device, layers)
         self._groups: list[_Group] = []
         self._forward_batch: ForwardBatch | None = None
+        self._scale = head_dim**-0.5
+
+    def supports(self, attention: LayerAttention) -> bool:
+        return True
 
     def plan(self, forward_batch: ForwardBatch) -> None:
         self._forward_batch = forward_batch
@@ -143,6 +158,10 @@ class TorchAttentionBackend(AttentionBackend):
             raise RuntimeError("TorchAttentionBackend.run called before plan")
         pool.write(layer, fb.slots, k, v)
         k_pages, v_pages = pool.k_cache[layer], pool.v_cache[layer]
+        spec = self.layer(layer)
+        if spec.softcap or spec.window:
+            return self._attend_variant(fb, spec, q, k_pages, v_pages)
+        self._scale = spec.scale
         if len(self._groups) == 1 and self._groups[0].contiguous_tokens is not None:
             return self._attend(self._groups[0], q, k, v, k_pages, v_pages).reshape(q.shape)
         out = torch.empty_like(q)
@@ -194,6 +213,7 @@ class TorchAttentionBackend(AttentionBackend):
             attn_mask=g.mask,
             is_causal=g.is_causal,
             enable_gqa=self.num_heads != self.num_kv_heads,
+            scale=self._scale,
         )
         return out.transpose(1, 2)
 
@@ -211,13 +231,50 @@ class TorchAttentionBackend(AttentionBackend):
             qg = q[g.q_index[:, 0]].reshape(n, self.num_kv_heads, rep, self.head_dim)
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
         k_flat, v_flat = k_pages.view(kv_shape), v_pages.view(kv_shape)
-        scale = self.head_dim**-0.5
+        scale = self._scale
         if g.cascade is not None:
             out = attend_cascade(qg, k_flat, v_flat, g.cascade, scale)
         else:
             assert g.decode_pieces is not None
             out = attend_decode(qg, k_flat, v_flat, g.decode_pieces, scale)
         return out.reshape(n, 1, self.num_heads, self.head_dim)
+
+
+    def _attend_variant(
+        self,
+        fb: ForwardBatch,
+        spec: LayerAttention,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+    ) -> torch.Tensor:
+        """Request by request: scores by ``spec.scale``, capped, masked to the causal window,
+        softmax in float32, then the values."""
+        out = torch.empty_like(q)
+        indptr = fb.kv_indptr.tolist()
+        qo_ptr = fb.qo_indptr.tolist()
+        hkv, d = self.num_kv_heads, self.head_dim
+        rep = self.num_heads // hkv
+        for r in range(fb.batch_size):
+            n_q, n_k = fb.qo_lens[r], fb.kv_lens[r]
+            a = qo_ptr[r]
+            pages = fb.kv_indices[indptr[r] : indptr[r + 1]].long()
+            keys = k_pages[pages].reshape(-1, hkv, d)[:n_k].float()
+            values = v_pages[pages].reshape(-1, hkv, d)[:n_k].float()
+            qs = q[a : a + n_q].float().view(n_q, hkv, rep, d)
+            scores = torch.einsum("qhgd,khd->hgqk", qs, keys) * spec.scale
+            if spec.softcap:
+                scores = torch.tanh(scores / spec.softcap) * spec.softcap
+            pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+            key = torch.arange(n_k, device=q.device)[None, :]
+            allowed = key <= pos
+            if spec.window:
+                allowed &= key > pos - spec.window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            weights = torch.softmax(scores, dim=-1)
+            res = torch.einsum("hgqk,khd->qhgd", weights, values)
+            out[a : a + n_q] = res.reshape(n_q, self.num_heads, d).to(out.dtype)
+        return out
 
 
 def _group_requests(fb: ForwardBatch) -> list[list[int]]:

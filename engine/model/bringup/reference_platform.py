@@ -21,6 +21,7 @@ from engine.model.platform import (
     Packer,
     PlannedForward,
     Platform,
+    RowOps,
 )
 
 
@@ -47,6 +48,9 @@ class ReferencePlatform(Platform):
 
     def packer(self, dtype: torch.dtype) -> Packer | None:
         return self.host.packer(dtype)
+
+    def row_ops(self) -> RowOps | None:
+        return self.host.row_ops()
 
     @property
     def product_threads(self) -> int:

@@ -12,6 +12,7 @@ once.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +23,7 @@ from engine.model.attention.base import AttentionBackend
 from engine.model.cpu.native_build import expect_rejection, load_native
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
+from engine.model.model_config import LayerAttention
 from engine.model.rope import Rope
 
 SOURCE = Path(__file__).parent / "csrc" / "exact_attention.cpp"
@@ -135,11 +137,15 @@ def attend(
     group: int,
     scale: float,
     threads: int = 1,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """q ``[T, Hq, D]`` float32 -> ``[T, Hq, D]`` float32 over the pool layer's pages, on
-    ``threads`` threads (one parallel region, whatever torch's own setting)."""
+    ``threads`` threads (one parallel region, whatever torch's own setting); ``softcap`` and
+    ``window`` as ``LayerAttention``'s (0: none)."""
     return kernel.exact_attention(
-        q.contiguous(), k_pages, v_pages, *plan.tensors(), group, scale, threads
+        q.contiguous(), k_pages, v_pages, *plan.tensors(), group, scale, threads, softcap,
+        window,
     )
 
 
@@ -155,12 +161,15 @@ def rope_write_attend(
     group: int,
     scale: float,
     threads: int = 1,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Fused projection rows ``[T, (Hq + 2 Hkv) * D]`` float32 -> ``[T, Hq, D]`` float32: RoPE
     by ``cos``/``sin`` (contiguous float32, ``T * D/2`` values: ``[T, D/2]`` or the model's
     ``[T, 1, D/2]``), the new K/V written at int64 ``slots``, then ``attend``."""
     return kernel.rope_write_attend(
-        qkv, cos, sin, slots, k_pages, v_pages, *plan.tensors(), group, scale, threads
+        qkv, cos, sin, slots, k_pages, v_pages, *plan.tensors(), group, scale, threads,
+        softcap, window,
     )
 
 
@@ -179,8 +188,9 @@ class ExactAttentionBackend(AttentionBackend):
         device: torch.device,
         kernel: ModuleType,
         threads: int = 1,
+        layers: Sequence[LayerAttention] | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, device)
+        super().__init__(num_heads, num_kv_heads, head_dim, device, layers)
         self.kernel = kernel
         self.threads = threads  # every pass's attention runs on this many threads
         self._native: NativePlan | None = None
@@ -193,6 +203,9 @@ class ExactAttentionBackend(AttentionBackend):
     @property
     def exact(self) -> bool:
         return True
+
+    def supports(self, attention: LayerAttention) -> bool:
+        return True  # any scale, soft cap and window
 
     def plan(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -214,9 +227,10 @@ class ExactAttentionBackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         qn = q.float().view(-1, hkv * g, d)
+        spec = self.layer(layer)
         out = attend(
-            self.kernel, qn, pool.k_cache[layer], pool.v_cache[layer], plan, g, d**-0.5,
-            self.threads,
+            self.kernel, qn, pool.k_cache[layer], pool.v_cache[layer], plan, g, spec.scale,
+            self.threads, spec.softcap, spec.window,
         )
         return out.view(q.shape).to(q.dtype)
 
@@ -230,8 +244,9 @@ class ExactAttentionBackend(AttentionBackend):
             return super().run_qkv(layer, qkv, rope, pool)
         hkv, d = self.num_kv_heads, self.head_dim
         cos, sin = rope  # [T, 1, D/2] float32 and contiguous: the kernel reads them as [T, D/2]
+        spec = self.layer(layer)
         out = rope_write_attend(
             self.kernel, qkv, cos, sin, fb.slots, pool.k_cache[layer], pool.v_cache[layer],
-            plan, self.num_heads // hkv, d**-0.5, self.threads,
+            plan, self.num_heads // hkv, spec.scale, self.threads, spec.softcap, spec.window,
         )
         return out.view(-1, self.num_heads * d)

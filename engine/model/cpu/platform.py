@@ -29,7 +29,7 @@ from engine.model.cpu.machine import (
     machine_memory_bytes,
 )
 from engine.model.cpu.malloc_tuning import keep_freed_memory
-from engine.model.cpu.products import PackedWeight, load_products, tiles_usable
+from engine.model.cpu.products import NativeRowOps, PackedWeight, load_products, tiles_usable
 from engine.model.cpu.threads import ThreadPolicy, release_openmp_team
 from engine.model.forward_batch import IndexPacker
 from engine.model.kv_pool import KVPool
@@ -41,6 +41,7 @@ from engine.model.platform import (
     Packer,
     PlannedForward,
     Platform,
+    RowOps,
 )
 
 # Default KV budget: 1 GiB (about 23k tokens of SmolLM2-135M in float32), or an eighth of the
@@ -79,8 +80,10 @@ class CpuPlatform(Platform):
         if exact and config.head_dim % exact_attention.HEAD_DIM_MULTIPLE == 0:
             kernel = exact_attention.load_kernel()
             if kernel is not None:
-                return ExactAttentionBackend(*heads, self.device, kernel, threads)
-        return TorchAttentionBackend(*heads, self.device)
+                return ExactAttentionBackend(
+                    *heads, self.device, kernel, threads, config.attention_layers
+                )
+        return TorchAttentionBackend(*heads, self.device, config.attention_layers)
 
     def packer(self, dtype: torch.dtype) -> Packer | None:
         if dtype not in PACKED_DTYPES:
@@ -90,6 +93,10 @@ class CpuPlatform(Platform):
             return None
         tiles = dtype == torch.bfloat16 and tiles_usable(kernel)
         return functools.partial(PackedWeight, kernel, tiles=tiles)
+
+    def row_ops(self) -> RowOps | None:
+        kernel = load_products()
+        return None if kernel is None else NativeRowOps(kernel)
 
     @property
     def product_threads(self) -> int:

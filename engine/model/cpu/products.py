@@ -141,3 +141,26 @@ class PackedWeight:
 
     def path(self) -> str:
         return "amx-tiles/bf16" if self.tiles else str(self.kernel.path_name())
+
+
+class NativeRowOps:
+    """The CPU's ``platform.RowOps``: the products' row transforms as calls of their own
+    (``csrc/dense.cpp``), each row in one fixed order whatever the call's shape."""
+
+    def __init__(self, kernel: ModuleType) -> None:
+        self.kernel = kernel
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        heads: int = 1,
+        residual: torch.Tensor | None = None,
+        in_place: bool = False,
+        threads: int = 1,
+    ) -> torch.Tensor:
+        return self.kernel.rms_norm(x, weight, eps, heads, residual, in_place, threads)
+
+    def softcap_(self, x: torch.Tensor, cap: float, threads: int = 1) -> torch.Tensor:
+        return self.kernel.softcap_(x, cap, threads)

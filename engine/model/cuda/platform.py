@@ -62,6 +62,11 @@ class CudaPlatform(Platform):
         tests: slow), deterministic where ``exact``; ``torch``: SDPA and the torch decode."""
         heads = (config.num_heads, config.num_kv_heads, config.head_dim)
         if name == "flashinfer":
+            if not config.plain_attention:
+                raise ValueError(
+                    f"model: {config.arch}'s attention (a score scale, soft cap or sliding "
+                    "window) is not wired to FlashInfer yet; use backend='torch' on CUDA"
+                )
             on_gpu = self._on_gpu(self.device)
             ops = flashinfer_ops() if on_gpu else reference_ops()
             # On the device a cascade must pay for its extra kernels (``cascade_rule``); the
@@ -71,7 +76,7 @@ class CudaPlatform(Platform):
                 cascade_costs=CascadeCosts() if on_gpu else None,
             )
         if name == "torch":
-            return TorchAttentionBackend(*heads, self.device)
+            return TorchAttentionBackend(*heads, self.device, config.attention_layers)
         raise ValueError(
             f"backend: unknown attention backend {name!r}; available: {', '.join(self.backends)}"
         )

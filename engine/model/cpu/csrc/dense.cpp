@@ -15,7 +15,10 @@
 // fixed order along k (pairs in order), whatever the shape of the call.
 //
 // Fused around the product (each row-wise, so invariant too): an RMSNorm of the input rows,
-// SiLU(gate) * up of the input's two halves, a bias and a residual added to the output.
+// SiLU(gate) * up or GELU(gate) * up of the input's two halves, a bias and a residual added
+// to the output. Beside the product, two row transforms the model's families need between
+// products: RMSNorm of rows or of each head of a row, plus a residual (``rms_norm``), and a
+// soft cap, cap * tanh(x / cap) (``softcap_``), each in one fixed order per row.
 //
 // Every argument is checked on the calling thread before the parallel region, and no
 // exception leaves it: a bad call is a RuntimeError (see guard.h).
@@ -316,7 +319,7 @@ void sweep(const Kernel& kn, int64_t M, int64_t p0, int64_t p1) {
 }
 
 // Row-wise input transforms, each in one fixed order per row.
-enum Prologue : int64_t { NONE = 0, RMSNORM = 1, SILU_MUL = 2 };
+enum Prologue : int64_t { NONE = 0, RMSNORM = 1, SILU_MUL = 2, GELU_MUL = 3 };
 
 // Row transforms are defined on 16 lanes whatever the build's vector width, so that an AVX2
 // build (two 8-float vectors per step) gives the bits of an AVX-512 one.
@@ -376,6 +379,42 @@ void silu_mul_row(const float* x, int64_t K, float* out) {
   for (; j < K; ++j) {
     const float g = x[j];
     out[j] = (g / (1.0f + std::exp(-g))) * x[K + j];
+  }
+}
+
+// gelu(gate) * up, GELU by tanh (transformers' gelu_pytorch_tanh), written as
+// g * sigmoid(2u) = g / (1 + exp(-2u)) with u = sqrt(2 / pi) * (g + 0.044715 g^3); columns
+// as silu_mul_row takes them.
+void gelu_mul_row(const float* x, int64_t K, float* out) {
+  const float c = 0.7978845608028654f, a = 0.044715f;
+  int64_t j = 0;
+  for (; j + ROW_LANES <= K; j += ROW_LANES)
+    for (int h = 0; h < ROW_LANES; h += VW) {
+      const vf g = loadf(x + j + h);
+      const vf u = splat(c) * (g + splat(a) * (g * g * g));
+      storef(out + j + h, (g / (splat(1.0f) + vexp(splat(-2.0f) * u))) * loadf(x + K + j + h));
+    }
+  for (; j < K; ++j) {
+    const float g = x[j];
+    const float u = c * (g + a * (g * g * g));
+    out[j] = (g / (1.0f + std::exp(-2.0f * u))) * x[K + j];
+  }
+}
+
+// cap * tanh(x / cap) of a row in place, tanh(y) as 1 - 2 / (exp(2y) + 1); columns as
+// silu_mul_row takes them.
+void softcap_row(float* x, int64_t K, float cap) {
+  const float inv = 1.0f / cap;
+  int64_t j = 0;
+  for (; j + ROW_LANES <= K; j += ROW_LANES)
+    for (int h = 0; h < ROW_LANES; h += VW) {
+      const vf y = loadf(x + j + h) * splat(inv);
+      const vf t = splat(1.0f) - splat(2.0f) / (vexp(splat(2.0f) * y) + splat(1.0f));
+      storef(x + j + h, splat(cap) * t);
+    }
+  for (; j < K; ++j) {
+    const float y = x[j] * inv;
+    x[j] = cap * (1.0f - 2.0f / (std::exp(2.0f * y) + 1.0f));
   }
 }
 
@@ -501,10 +540,11 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
   check_cpu(x, "x");
   ARG_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
             "x: float32 [M, K] with unit column stride");
-  ARG_CHECK(prologue == NONE || prologue == RMSNORM || prologue == SILU_MUL,
-            "prologue: 0 (none), 1 (RMSNorm) or 2 (SiLU * up), got ", prologue);
-  ARG_CHECK(prologue != SILU_MUL || x.size(1) % 2 == 0,
-            "x: SiLU * up takes [M, 2K] (gate | up), got an odd ", x.size(1), " features");
+  ARG_CHECK(prologue >= NONE && prologue <= GELU_MUL,
+            "prologue: 0 (none), 1 (RMSNorm), 2 (SiLU * up) or 3 (GELU * up), got ", prologue);
+  const bool gated = prologue == SILU_MUL || prologue == GELU_MUL;
+  ARG_CHECK(!gated || x.size(1) % 2 == 0,
+            "x: act(gate) * up takes [M, 2K] (gate | up), got an odd ", x.size(1), " features");
   check_cpu(packed, "packed");
   ARG_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
                 (packed.scalar_type() == torch::kFloat ||
@@ -519,7 +559,7 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
   ARG_CHECK(threads >= 1 && threads <= radixkv::kMaxThreads, "threads: 1 to ",
             radixkv::kMaxThreads, ", got ", threads);
   const int64_t M = x.size(0);
-  const int64_t K_in = prologue == SILU_MUL ? x.size(1) / 2 : x.size(1);
+  const int64_t K_in = gated ? x.size(1) / 2 : x.size(1);
   const int64_t K = packed.size(1);  // float path: K; dot path: K / 2 pairs; tiles: K / 32
   const int64_t per_k = tiles ? 32 : dot ? 2 : 1;  // values of k per step of packed.size(1)
   ARG_CHECK(per_k * K >= K_in && per_k * K - K_in < per_k,
@@ -586,6 +626,7 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
       }
       if (prologue == RMSNORM) rmsnorm_row(src, K_in, nw, eps, to);
       else if (prologue == SILU_MUL) silu_mul_row(src, K_in, to);
+      else if (prologue == GELU_MUL) gelu_mul_row(src, K_in, to);
       else std::memcpy(to, src, K_in * sizeof(float));
       if (bf16_rows) {
         uint16_t* h = stage_h.data() + m * lds;
@@ -618,6 +659,65 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t pr
   return y;
 }
 
+// RMSNorm of each of ``heads`` equal segments of every row of x [M, K] (one segment: the row),
+// by weight [K] (segment h by its slice h), plus residual [M, K] if given; into a new tensor,
+// or with ``in_place`` into x itself (a row's segment is read before it is written).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_t heads,
+                       c10::optional<torch::Tensor> residual, bool in_place, int64_t threads) {
+  check_cpu(x, "x");
+  ARG_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+            "x: float32 [M, K] with unit column stride");
+  const int64_t M = x.size(0), K = x.size(1);
+  ARG_CHECK(heads >= 1 && K % heads == 0, "heads: a divisor of ", K, ", got ", heads);
+  check_cpu(weight, "weight");
+  ARG_CHECK(weight.scalar_type() == torch::kFloat && weight.numel() == K &&
+                weight.is_contiguous(), "weight: float32 [K], contiguous");
+  ARG_CHECK(threads >= 1 && threads <= radixkv::kMaxThreads, "threads: 1 to ",
+            radixkv::kMaxThreads, ", got ", threads);
+  const float* rp = nullptr;
+  int64_t ldr = 0;
+  if (residual.has_value()) {
+    check_cpu(*residual, "residual");
+    ARG_CHECK(residual->scalar_type() == torch::kFloat && residual->dim() == 2 &&
+                  residual->size(0) == M && residual->size(1) == K && residual->stride(1) == 1,
+              "residual: float32 [M, K] with unit column stride");
+    rp = residual->data_ptr<float>();
+    ldr = residual->stride(0);
+  }
+  torch::Tensor y = in_place ? x : torch::empty({M, K}, x.options());
+  if (M == 0) return y;
+  float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldy = y.stride(0), D = K / heads;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, M)));
+  radixkv::run_phases(nt, {M}, [&](int, int64_t m, int) {
+    for (int64_t h = 0; h < heads; ++h)
+      rmsnorm_row(xp + m * ldx + h * D, D, wp + h * D, eps, yp + m * ldy + h * D);
+    if (rp != nullptr)
+      for (int64_t k = 0; k < K; ++k) yp[m * ldy + k] = rp[m * ldr + k] + yp[m * ldy + k];
+  });
+  return y;
+}
+
+// x = cap * tanh(x / cap) for every element of x [M, K], in place, row by row.
+torch::Tensor softcap_(torch::Tensor x, double cap, int64_t threads) {
+  check_cpu(x, "x");
+  ARG_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+            "x: float32 [M, K] with unit column stride");
+  ARG_CHECK(cap > 0, "cap: positive, got ", cap);
+  ARG_CHECK(threads >= 1 && threads <= radixkv::kMaxThreads, "threads: 1 to ",
+            radixkv::kMaxThreads, ", got ", threads);
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  if (M == 0) return x;
+  float* xp = x.data_ptr<float>();
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, M)));
+  radixkv::run_phases(nt, {M}, [&](int, int64_t m, int) {
+    softcap_row(xp + m * ldx, K, static_cast<float>(cap));
+  });
+  return x;
+}
+
 std::string path_name() {
   return std::string(kDotBF16 ? "fma+bf16dot" : "fma") + "/" + std::to_string(VW * 32);
 }
@@ -629,6 +729,8 @@ bool tiles_built() { return kTilesBuilt; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "Pack a [N, K] weight into the panels dense() streams");
   m.def("dense", &dense, "Batch-invariant y = prologue(x) @ w + bias + residual");
+  m.def("rms_norm", &rms_norm, "Batch-invariant RMSNorm of rows (or of each head of a row)");
+  m.def("softcap_", &softcap_, "Batch-invariant cap * tanh(x / cap), in place");
   m.def("path_name", &path_name, "Which product the build uses, and its vector width in bits");
   m.def("pack_tiles", &pack_tiles, "Pack a bfloat16 [N, K] weight into AMX B tiles");
   m.def("tiles_built", &tiles_built, "Whether this build has the AMX tile path");

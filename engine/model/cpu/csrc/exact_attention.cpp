@@ -16,6 +16,10 @@
 // threads (a lone request) cuts long units into parts of their blocks computed apart; each
 // block's float32 sums are kept and added in double in block order at the end, the same
 // additions a whole unit makes as it goes.
+// Two variants some model families need, both per row and in the same order in any call: a
+// soft cap on the scores (cap * tanh(s / cap), tanh by the vectorised exp) before the
+// maximum, and a sliding window (a query at position p weighs keys p - window + 1 .. p: the
+// maximum is taken over those, and the weights of earlier keys are set to zero after exp).
 // Every argument (the pool, the plan's page ids, lengths, positions and order, the slots) is
 // checked on the calling thread before the parallel region, so its threads index only what was
 // checked; a bad call is a RuntimeError (see guard.h).
@@ -169,6 +173,8 @@ struct Args {
   const int32_t* item_ptr;
   int64_t hkv, group, dim, page_size;
   float scale;
+  float softcap;   // 0: none
+  int64_t window;  // 0: every earlier key
 };
 
 // Slots of block ``b`` of sequence ``s``, page by page; positions past its pages read a
@@ -474,16 +480,22 @@ struct SharedUnit {
 struct UnitShape {
   int64_t first, count, h0, nh;
   int64_t g, per_head, rows, nb, width;
+  int64_t b_first;  // the first block any row weighs (past 0 only under a sliding window)
 
   template <typename scalar_t>
   UnitShape(const Args<scalar_t>& a, int64_t first, int64_t count, int64_t h0, int64_t nh)
       : first(first), count(count), h0(h0), nh(nh), g(a.group), per_head(count * a.group),
         rows(count * a.group * nh) {
-    int64_t max_len = 0;
-    for (int64_t i = 0; i < count; ++i)
+    int64_t max_len = 0, min_len = INT64_MAX;
+    for (int64_t i = 0; i < count; ++i) {
       max_len = std::max<int64_t>(max_len, a.q_pos[a.order[first + i]] + 1);
+      min_len = std::min<int64_t>(min_len, a.q_pos[a.order[first + i]] + 1);
+    }
     nb = (max_len + BLOCK - 1) / BLOCK;
     width = nb * BLOCK;
+    // Blocks wholly before every row's window are never read: a row's weights there are
+    // zero, and leaving a zero out of its sums gives the same bits as adding it.
+    b_first = a.window > 0 ? std::max<int64_t>(0, min_len - a.window) / BLOCK : 0;
   }
   template <typename scalar_t>
   int64_t token(const Args<scalar_t>& a, int64_t r) const {
@@ -521,7 +533,12 @@ void attend_unit(const Args<scalar_t>& a, const UnitShape& u, Scratch& w,
   const int64_t g = u.g, dim = a.dim, per_head = u.per_head, rows = u.rows, nb = u.nb;
   const int64_t width = u.width, first = u.first, count = u.count, h0 = u.h0, nh = u.nh;
   if (b_hi < 0) b_hi = nb;
+  if constexpr (P == Phase::WHOLE) b_lo = std::max(b_lo, u.b_first);
   const auto length = [&](int64_t r) -> int64_t { return a.q_pos[u.token(a, r)] + 1; };
+  // the first key row r weighs (its window's start)
+  const auto first_key = [&](int64_t r) -> int64_t {
+    return a.window > 0 ? std::max<int64_t>(0, length(r) - a.window) : 0;
+  };
 
   // (a row's scores are written before they are read: its own blocks, nothing past them)
   if constexpr (P == Phase::WHOLE) {
@@ -603,10 +620,27 @@ void attend_unit(const Args<scalar_t>& a, const UnitShape& u, Scratch& w,
                    });
                  }, nh == 1);
   }
+  if constexpr (P != Phase::VALUES) {
+    if (a.softcap > 0) {
+      const vf cap = splat<vf>(a.softcap), inv = splat<vf>(1.0f / a.softcap);
+      const vf one = splat<vf>(1.0f), two = splat<vf>(2.0f), top = splat<vf>(88.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t span = (length(r) + BLOCK - 1) / BLOCK * BLOCK;
+        float* row = s + r * width;
+        for (int64_t c = b_lo * BLOCK; c < std::min(span, b_hi * BLOCK); c += W) {
+          vf x = two * (load<vf>(row + c) * inv);
+          x = x > top ? top : x;  // tanh is 1 in float32 long before; exp stays finite
+          const vf e = vexp<vf, vi>(x);
+          store(row + c, cap * (one - two / (e + one)));
+        }
+      }
+    }
+  }
   if constexpr (P == Phase::SCORES) {
     for (int64_t r = 0; r < rows; ++r)
       shared->maxima[part * rows + r] =
-          max_of(s + r * width, b_lo * BLOCK, std::min(length(r), b_hi * BLOCK));
+          max_of(s + r * width, std::max(first_key(r), b_lo * BLOCK),
+                 std::min(length(r), b_hi * BLOCK));
     return;
   }
 
@@ -626,13 +660,14 @@ void attend_unit(const Args<scalar_t>& a, const UnitShape& u, Scratch& w,
     float* row = s + r * width;
     float m = -__builtin_inff();
     if constexpr (P == Phase::WHOLE) {
-      m = max_of(row, 0, len);
+      m = max_of(row, first_key(r), len);
     } else {
       for (int64_t p = 0; p < shared->parts; ++p) m = std::max(m, shared->maxima[p * rows + r]);
     }
     const vf mm = splat<vf>(m);
     for (int64_t c = b_lo * BLOCK; c < std::min(span, b_hi * BLOCK); c += W)
       store(row + c, vexp<vf, vi>(load<vf>(row + c) - mm));
+    for (int64_t c = b_lo * BLOCK; c < std::min(first_key(r), b_hi * BLOCK); ++c) row[c] = 0.0f;
   }
 
   w.asked.assign(nh, -1);
@@ -671,7 +706,7 @@ void finish_row(const Args<scalar_t>& a, const UnitShape& u, const SharedUnit& s
   const int64_t dim = a.dim, blocks = (a.q_pos[u.token(a, r)] + BLOCK) / BLOCK;
   total.assign(dim, 0.0);
   double sum = 0.0;
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = u.b_first; b < blocks; ++b) {
     const float* p = shared.partial + (r * u.nb + b) * dim;
     for (int64_t e = 0; e < dim; ++e) total[e] = total[e] + static_cast<double>(p[e]);
     sum += shared.partial_sums[r * u.nb + b];
@@ -713,8 +748,9 @@ struct Parts {
     int64_t size = 0;
     for (int64_t i = 0; i < work; ++i) {
       const UnitShape& u = shapes[i];
+      const int64_t nb = u.nb - u.b_first;  // the blocks the unit reads
       parts[i] = std::max<int64_t>(
-          1, std::min({want, u.nb / kMinPartBlocks, u.rows * u.nb / kMinPartWork}));
+          1, std::min({want, nb / kMinPartBlocks, u.rows * nb / kMinPartWork}));
       cut = cut || parts[i] > 1;
       offsets[i] = size;
       size += u.rows * (u.width + parts[i] + u.nb * a.dim + u.nb);
@@ -724,7 +760,8 @@ struct Parts {
     for (int64_t i = 0; i < work; ++i) {
       const UnitShape& u = shapes[i];
       for (int64_t p = 0; p < parts[i]; ++p)
-        tasks.push_back({i, p, u.nb * p / parts[i], u.nb * (p + 1) / parts[i]});
+        tasks.push_back({i, p, u.b_first + (u.nb - u.b_first) * p / parts[i],
+                         u.b_first + (u.nb - u.b_first) * (p + 1) / parts[i]});
       float* scores = buffer.get() + offsets[i];
       float* maxima = scores + u.rows * u.width;
       float* partial = maxima + u.rows * parts[i];
@@ -905,7 +942,8 @@ void with_args(const PoolShape& pool, const torch::Tensor& q, const torch::Tenso
                const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                const torch::Tensor& tables, const torch::Tensor& table_lens,
                const torch::Tensor& q_seq, const torch::Tensor& q_pos, const torch::Tensor& order,
-               const torch::Tensor& item_ptr, int64_t group, double scale, Go go) {
+               const torch::Tensor& item_ptr, int64_t group, double scale, double softcap,
+               int64_t window, Go go) {
   auto call = [&](auto* k, auto* v) {
     using scalar_t = std::remove_pointer_t<decltype(k)>;
     const Args<scalar_t> a{q.data_ptr<float>(), k, v, out.data_ptr<float>(),
@@ -913,7 +951,8 @@ void with_args(const PoolShape& pool, const torch::Tensor& q, const torch::Tenso
                            table_lens.data_ptr<int32_t>(), q_seq.data_ptr<int32_t>(),
                            q_pos.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
                            item_ptr.data_ptr<int32_t>(), pool.hkv, group, pool.dim,
-                           pool.page_size, static_cast<float>(scale)};
+                           pool.page_size, static_cast<float>(scale),
+                           static_cast<float>(softcap), window};
     go(a, k, v);
   };
   if (k_cache.scalar_type() == torch::kFloat) {
@@ -923,12 +962,19 @@ void with_args(const PoolShape& pool, const torch::Tensor& q, const torch::Tenso
   }
 }
 
+void check_variant(double softcap, int64_t window) {
+  ARG_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap: 0 (none) or positive, got ",
+            softcap);
+  ARG_CHECK(window >= 0, "window: 0 (none) or a number of keys, got ", window);
+}
+
 torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor tables, torch::Tensor table_lens,
                               torch::Tensor q_seq, torch::Tensor q_pos, torch::Tensor order,
                               torch::Tensor item_ptr, int64_t group, double scale,
-                              int64_t threads) {
+                              int64_t threads, double softcap, int64_t window) {
   const PoolShape pool = check_pool(k_cache, v_cache, group, threads);
+  check_variant(softcap, window);
   check_cpu(q, "q");
   ARG_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
             "q: float32 [T, Hq, D], contiguous");
@@ -939,7 +985,7 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto out = torch::empty_like(q);
   if (q.size(0) == 0) return out;
   with_args(pool, q, out, k_cache, v_cache, tables, table_lens, q_seq, q_pos, order, item_ptr,
-            group, scale, [&](const auto& a, auto*, auto*) {
+            group, scale, softcap, window, [&](const auto& a, auto*, auto*) {
               run(a, item_ptr.numel() - 1, static_cast<int>(threads));
             });
   return out;
@@ -1000,8 +1046,9 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 torch::Tensor tables, torch::Tensor table_lens,
                                 torch::Tensor q_seq, torch::Tensor q_pos, torch::Tensor order,
                                 torch::Tensor item_ptr, int64_t group, double scale,
-                                int64_t threads) {
+                                int64_t threads, double softcap, int64_t window) {
   const PoolShape pool = check_pool(k_cache, v_cache, group, threads);
+  check_variant(softcap, window);
   const int64_t hkv = pool.hkv, dim = pool.dim, hq = hkv * group;
   const int64_t capacity = pool.pages * pool.page_size;
   check_cpu(qkv, "qkv");
@@ -1028,7 +1075,7 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
   auto out = torch::empty_like(q);
   if (T == 0) return out;
   with_args(pool, q, out, k_cache, v_cache, tables, table_lens, q_seq, q_pos, order, item_ptr,
-            group, scale, [&](const auto& a, auto* k, auto* v) {
+            group, scale, softcap, window, [&](const auto& a, auto* k, auto* v) {
               using scalar_t = std::remove_pointer_t<decltype(k)>;
               const RopeWrite<scalar_t> prepare{qkv.data_ptr<float>(), qkv.stride(0),
                                                 cos.data_ptr<float>(), sin.data_ptr<float>(),
@@ -1041,8 +1088,17 @@ torch::Tensor rope_write_attend(torch::Tensor qkv, torch::Tensor cos, torch::Ten
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("exact_attention", &exact_attention,
-        "Batch-invariant paged attention (see engine/model/attention/native.py)");
+        "Batch-invariant paged attention (see engine/model/cpu/exact_attention.py)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"),
+        py::arg("table_lens"), py::arg("q_seq"), py::arg("q_pos"), py::arg("order"),
+        py::arg("item_ptr"), py::arg("group"), py::arg("scale"), py::arg("threads"),
+        py::arg("softcap") = 0.0, py::arg("window") = 0);
   m.def("rope_write_attend", &rope_write_attend,
-        "RoPE, the K/V write and exact_attention in one call, from fused q/k/v rows");
+        "RoPE, the K/V write and exact_attention in one call, from fused q/k/v rows",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("tables"), py::arg("table_lens"), py::arg("q_seq"),
+        py::arg("q_pos"), py::arg("order"), py::arg("item_ptr"), py::arg("group"),
+        py::arg("scale"), py::arg("threads"), py::arg("softcap") = 0.0, py::arg("window") = 0);
 }

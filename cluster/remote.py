@@ -84,8 +84,8 @@ class RemoteEngine:
 
     @property
     def tool_format(self) -> Any:
-        """The model's tool format, as its replicas' engines have it."""
-        return tools.RADIXKV
+        """The model's tool format, as its replicas' engines have it (by its template)."""
+        return tools.tool_format_for(getattr(self._front.tokenizer, "chat_template", None))
 
     @property
     def max_context(self) -> int:

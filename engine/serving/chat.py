@@ -18,7 +18,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.api import RequestOutput, TextStream, abort_on_exit
-from engine.serving.conversation import check_text, continue_conversation
+from engine.serving.conversation import (
+    ToolConversation,
+    check_text,
+    continue_conversation,
+    tools_of,
+)
 from engine.serving.inputs import check_namespace
 from engine.serving.tools import CallStream, ToolUse
 from scheduler import SamplingParams
@@ -61,6 +66,9 @@ class ChatSession:
             base = params or SamplingParams()
             prompt = self._tool_use.prepare(self._messages, base.structured_outputs)
             self._params, self._messages = prompt.constrained(base), prompt.messages
+        # tools the chat template writes itself (Hermes / Qwen) go with every turn's messages
+        self._template_tools: list[dict[str, Any]] | None = tools_of(self._messages)
+        self._messages = list(self._messages)
         self._conversation_ids: list[int] = []  # last turn's prompt + reply tokens
         self.last_output: RequestOutput | None = None
         self.last_dropped_tokens = 0  # previous tokens not reused verbatim by the last turn
@@ -130,6 +138,8 @@ class ChatSession:
             raise ValueError(f"role: expected 'user' or 'tool', got {role!r}")
         check_text(text, "text")
         messages = [*self.messages, {"role": role, "content": text}]
+        if self._template_tools is not None:
+            messages = ToolConversation(messages, self._template_tools)
         ids, reused = continue_conversation(
             self._engine.tokenizer, self._conversation_ids, messages, "text"
         )

@@ -14,6 +14,20 @@ from typing import Any
 Span = tuple[int, int]
 
 
+class ToolConversation(list):  # type: ignore[type-arg]
+    """Chat messages with the tools the model's chat template writes itself (``tools=`` to
+    the template; Hermes / Qwen templates): a list of messages wherever one is taken."""
+
+    def __init__(self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]]):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def tools_of(messages: Any) -> list[dict[str, Any]] | None:
+    """The tools a conversation gives its template (None: a plain list of messages)."""
+    return getattr(messages, "tools", None)
+
+
 def check_text(text: str, field: str) -> None:
     """Text must be encodable as UTF-8: a lone surrogate (from a bad decode) is not."""
     try:
@@ -60,17 +74,27 @@ def check_roles(tokenizer: Any, messages: Sequence[Mapping[str, str]], field: st
                 raise ValueError(f"{field}[{i}].role: contains the special token {token!r}")
 
 
-def render_messages(tokenizer: Any, messages: Sequence[Mapping[str, str]], field: str) -> str:
-    """The conversation as text, ready for the assistant's reply (the model's chat template)."""
+def render_messages(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    field: str,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The conversation as text, ready for the assistant's reply (the model's chat template,
+    given ``tools`` where the template writes them)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{field}: chat messages need a chat template; this model has none")
+    extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=True
+        list(messages), tokenize=False, add_generation_prompt=True, **extra
     )
 
 
 def render_with_spans(
-    tokenizer: Any, messages: Sequence[Mapping[str, str]], field: str
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    field: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[Span]]:
     """The rendered conversation and where each message's content lies in it.
 
@@ -80,11 +104,11 @@ def render_with_spans(
     whatever text the template puts around them); a template that rewrites contents falls
     back to finding them in order.
     """
-    text = render_messages(tokenizer, messages, field)
+    text = render_messages(tokenizer, messages, field, tools)
     check_roles(tokenizer, messages, field)
     marks = [f"\x00radixkv-content-{i}\x00" for i in range(len(messages))]
     stand_ins = [{**m, "content": mark} for m, mark in zip(messages, marks)]
-    skeleton = render_messages(tokenizer, stand_ins, field)
+    skeleton = render_messages(tokenizer, stand_ins, field, tools)
     spans: list[Span] = []
     rebuilt: list[str] = []
     length = 0
@@ -156,7 +180,9 @@ def encode_conversation(tokenizer: Any, messages: Sequence[Any], field: str) -> 
     """Token ids of a conversation, ready for the assistant's reply: the template writes the
     special tokens itself (BOS included where it has one); the contents are text, whatever
     they look like."""
-    text, spans = render_with_spans(tokenizer, check_messages(messages, field), field)
+    text, spans = render_with_spans(
+        tokenizer, check_messages(messages, field), field, tools_of(messages)
+    )
     return encode_with_spans(tokenizer, text, spans)
 
 
@@ -206,5 +232,7 @@ def continue_conversation(
     """A conversation's ids continuing an earlier turn's (its prompt and reply as the engine
     ran them): those kept verbatim as far as the rendered text agrees, so a reply
     re-tokenised differently cannot miss the cache. Returns (ids, how many were kept)."""
-    text, spans = render_with_spans(tokenizer, check_messages(messages, field), field)
+    text, spans = render_with_spans(
+        tokenizer, check_messages(messages, field), field, tools_of(messages)
+    )
     return continue_tokens(tokenizer, previous_ids, text, spans)

@@ -30,7 +30,7 @@ from engine.serving.assembly import assemble
 from engine.serving.commands import Inspect, PinPrefix, Submit, Unpin
 from engine.serving.inputs import check_params, is_conversation, split_prompts
 from engine.serving.job import Job
-from engine.serving.tools import CONVERSATIONS_ONLY, RADIXKV, ToolFormat, ToolUse
+from engine.serving.tools import CONVERSATIONS_ONLY, ToolFormat, ToolUse, tool_format_for
 from radix import KVEvent
 from scheduler import Request, SamplingParams
 
@@ -88,8 +88,9 @@ class Engine:
 
     @property
     def tool_format(self) -> ToolFormat:
-        """How this engine's model writes tools and calls (radixkv's own format)."""
-        return RADIXKV
+        """How this engine's model writes tools and calls: the format its chat template was
+        trained on (Hermes / Qwen's ``<tool_call>``), else radixkv's own."""
+        return tool_format_for(getattr(self._parts.tokenizer, "chat_template", None))
 
     @property
     def max_context(self) -> int:

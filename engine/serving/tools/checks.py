@@ -39,9 +39,11 @@ def check_tools(tools: Any, field: str = "tools") -> list[dict[str, Any]]:
         if not isinstance(parameters, Mapping):
             raise ValueError(f"{where}.function.parameters: expected a JSON schema object")
         check_json_schema(dict(parameters), f"{where}.function.parameters")
-        entry = {"name": name, "parameters": dict(parameters)}
+        # OpenAI's order (a template that writes the tools as JSON shows them this way)
+        entry: dict[str, Any] = {"name": name}
         if function.get("description"):
             entry["description"] = str(function["description"])
+        entry["parameters"] = dict(parameters)
         functions.append(entry)
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):

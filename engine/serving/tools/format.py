@@ -3,7 +3,9 @@
 The plug point for tool calling: ``ToolUse`` (every door's one object) speaks only through
 it, so a family's own format (a different section in the system turn, calls in tags of its
 own) is one more implementation, and nothing above changes. radixkv's own format, for models
-without one, is ``engine.serving.tools.radixkv.RADIXKV``.
+without one, is ``engine.serving.tools.radixkv.RADIXKV``; Hermes / Qwen's is
+``engine.serving.tools.hermes.HERMES``; ``engine.serving.tools.choice.tool_format_for`` picks
+one by the model's chat template.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ class CallReader(Protocol):
 
 class ToolFormat(Protocol):
     """How a model family writes tools into a conversation and calls into a reply."""
+
+    name: str
+
+    def template_tools(self, functions: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """The tools as the model's chat template takes them (``tools=``), where the template
+        writes them itself; None where ``render`` writes them into the messages."""
+        ...
 
     def render(
         self, messages: list[dict[str, str]], functions: list[dict[str, Any]]
@@ -71,3 +80,33 @@ class ToolFormat(Protocol):
 def new_call_id() -> str:
     """The id a call gets when it is read from a reply (OpenAI's ``call_...``)."""
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def one_call_schema(
+    functions: list[dict[str, Any]], arguments_key: str = "arguments"
+) -> dict[str, Any]:
+    """One call as JSON: ``{"name": <one of the tools>, <arguments_key>: <its parameters>}``,
+    with no properties beyond those a tool's schema names (OpenAI's strict mode: a small
+    model left free keeps inventing keys), laid out compact."""
+    from engine.model.structured import JSON_LAYOUT
+
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, arguments_key: closed(f["parameters"])},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    return {**schema, "x-guidance": JSON_LAYOUT}
+
+
+def closed(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The arguments' schema with no properties beyond those it names, unless it says
+    otherwise."""
+    if parameters.get("type", "object") == "object" and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
+

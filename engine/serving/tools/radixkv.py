@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from engine.api.outputs import ToolCall
 from engine.model.structured import JSON_LAYOUT, with_json_layout
 from engine.serving.tools.checks import ToolChoice
-from engine.serving.tools.format import CallReader, new_call_id
+from engine.serving.tools.format import CallReader, new_call_id, one_call_schema
 from scheduler import StructuredOutputsParams
 
 INSTRUCTION = (
@@ -65,11 +65,11 @@ def tool_constraint(
         return StructuredOutputsParams(json=schema)
     return StructuredOutputsParams(
         grammar=f"start: call | reply\ncall: %json {json.dumps(schema)}\nreply: "
-        + _reply_rule(reply)
+        + reply_rule(reply)
     )
 
 
-def _reply_rule(reply: StructuredOutputsParams | None) -> str:
+def reply_rule(reply: StructuredOutputsParams | None) -> str:
     """The grammar rule of a plain reply beside calls."""
     if reply is None:
         return "/[^{](.|\\n)*/"
@@ -89,16 +89,7 @@ def _reply_rule(reply: StructuredOutputsParams | None) -> str:
 def call_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """``{"tool_calls": [{"name": <one of the tools>, "arguments": <its parameters>}, ...]}``,
     generated compact (the separators the history is rendered with)."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": _closed(f["parameters"])},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    items: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    items = {k: v for k, v in one_call_schema(functions).items() if k != "x-guidance"}
     array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if not parallel:
         array["maxItems"] = 1
@@ -109,14 +100,6 @@ def call_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, An
         "additionalProperties": False,
         "x-guidance": JSON_LAYOUT,
     }
-
-
-def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
-    """The arguments' schema with no properties beyond those it names, unless it says
-    otherwise (OpenAI's strict mode): a 135M model left free keeps inventing keys."""
-    if parameters.get("type", "object") == "object" and "additionalProperties" not in parameters:
-        return {**parameters, "additionalProperties": False}
-    return parameters
 
 
 CALLS_PREFIX = '{"tool_calls": ['
@@ -152,7 +135,7 @@ class CallScanner:
         self._calls: list[tuple[str, int]] = []  # each call's name and where its arguments begin
         self._ends: list[int] = []  # where the complete calls' arguments end
         self._header_at = len(CALLS_PREFIX)  # where the next call's header is expected
-        self._value: _ValueScan | None = None  # the arguments being read
+        self._value: ValueScan | None = None  # the arguments being read
         self._after: int | None = None  # a call's end, its separator not read yet
         self._complete = False
 
@@ -174,7 +157,7 @@ class CallScanner:
                 if header is None:
                     break
                 self._calls.append((json.loads(header.group(1)), header.end()))
-                self._value = _ValueScan(header.end())
+                self._value = ValueScan(header.end())
             end = self._value.advance(t)
             if end is None:
                 break
@@ -195,7 +178,7 @@ class CallScanner:
         return CallScan(calls, self._complete)
 
 
-class _ValueScan:
+class ValueScan:
     """Where a JSON object or array ends, found by reading on from where it stopped."""
 
     def __init__(self, start: int) -> None:
@@ -262,6 +245,11 @@ def calls_text(calls: Sequence[tuple[str, str]]) -> str:
 class RadixkvToolFormat:
     """radixkv's own format (the functions above): the tools as JSON lines in the system
     turn, a call as the whole reply ``{"tool_calls": [...]}``."""
+
+    name = "radixkv"
+
+    def template_tools(self, functions: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        return None  # written into the system turn by ``render``, not by the template
 
     def render(
         self, messages: list[dict[str, str]], functions: list[dict[str, Any]]

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from engine.api.outputs import RequestOutput, ToolCall
+from engine.serving.conversation import ToolConversation
 from engine.serving.tools.checks import ToolChoice, check_tools, resolve_choice
 from engine.serving.tools.format import ToolFormat
 from engine.serving.tools.radixkv import RADIXKV
@@ -99,8 +100,11 @@ class ToolUse:
         says: byte-stable, so every turn of an agent hits the cache) and what the reply must
         match: calls as ``tool_choice`` and ``parallel_tool_calls`` allow, or a plain reply in
         ``reply``'s format (the reply's own structured output)."""
-        history = render_history(messages, self.format)
-        return ToolPrompt(self.format.render(history, self.functions), self.constraint(reply))
+        history = self.format.render(render_history(messages, self.format), self.functions)
+        tools = self.format.template_tools(self.functions)
+        if tools is not None:  # the template writes them: they travel with the messages
+            history = ToolConversation(history, tools)
+        return ToolPrompt(history, self.constraint(reply))
 
     def constraint(
         self, reply: StructuredOutputsParams | None = None

@@ -19,7 +19,7 @@ import torch
 
 from engine.model.cpu import exact_attention
 from engine.model.cpu.products import load_products
-from engine.model.platform import NONE, RMSNORM, SILU_MUL
+from engine.model.platform import GELU_MUL, NONE, RMSNORM, SILU_MUL
 
 CPU = torch.device("cpu")
 
@@ -31,6 +31,7 @@ PLAN_MUTATIONS = [
     "item_ptr_past_tokens", "item_ptr_decreasing", "item_ptr_empty", "item_ptr_noncontiguous",
     "group_zero", "group_negative", "threads_zero", "threads_negative", "threads_huge",
     "k_dtype", "kv_shapes_differ", "k_noncontiguous", "head_dim_not_32", "pool_empty", "k_meta",
+    "softcap_negative", "softcap_nan", "window_negative",
 ]
 MUTATIONS: dict[str, list[str]] = {
     "exact_attention": ["valid", "empty", "q_dtype", "q_dims", "q_noncontiguous", "q_heads",
@@ -176,21 +177,29 @@ def _attention_call(entry: str, mutation: str, rng: random.Random, threads: int)
         group = 0 if m == "group_zero" else -rng.randint(1, 8)
     if m in ("threads_zero", "threads_negative", "threads_huge"):
         threads = {"threads_zero": 0, "threads_negative": -2, "threads_huge": 1 << 20}[m]
+    # a valid call may cap its scores and slide a window (Gemma's variants)
+    softcap = rng.choice([0.0, 0.0, rng.uniform(0.5, 60.0)])
+    window = rng.choice([0, 0, rng.randint(1, 200)])
+    if m in ("softcap_negative", "softcap_nan"):
+        softcap = -1.0 if m == "softcap_negative" else float("nan")
+    if m == "window_negative":
+        window = -rng.randint(1, 100)
     order = (p["tables"], p["table_lens"], p["q_seq"], p["q_pos"], p["order"], p["item_ptr"])
     kernel = KERNELS["attention"]
     if entry == "exact_attention":
-        return lambda: kernel.exact_attention(q, k, v, *order, group, scale, threads)
+        return lambda: kernel.exact_attention(q, k, v, *order, group, scale, threads, softcap,
+                                              window)
     return lambda: kernel.rope_write_attend(qkv, cos, sin, slots, k, v, *order, group, scale,
-                                            threads)
+                                            threads, softcap, window)
 
 
 def _dense_call(mutation: str, rng: random.Random, threads: int) -> Callable[[], Any]:
     kernel = KERNELS["products"]
     rows, k_in, n = rng.randint(1, 5), rng.randint(1, 70), rng.randint(1, 70)
-    prologue = rng.choice([NONE, RMSNORM, SILU_MUL])
+    prologue = rng.choice([NONE, RMSNORM, SILU_MUL, GELU_MUL])
     weight = torch.randn(n, k_in).to(rng.choice([torch.float32, torch.bfloat16]))
     packed = kernel.pack(weight)
-    x = torch.randn(rows, 2 * k_in if prologue == SILU_MUL else k_in)
+    x = torch.randn(rows, 2 * k_in if prologue in (SILU_MUL, GELU_MUL) else k_in)
     norm = torch.rand(k_in) if prologue == RMSNORM else None
     bias = torch.randn(n) if rng.random() < 0.5 else None
     residual = torch.randn(rows, n) if rng.random() < 0.5 else None
@@ -223,7 +232,7 @@ def _dense_call(mutation: str, rng: random.Random, threads: int) -> Callable[[],
     elif m == "n_past_packed":
         n = packed.shape[0] * 32 + rng.randint(1, 64)
     elif m == "prologue_unknown":
-        prologue = rng.choice([-1, 3, 99])
+        prologue = rng.choice([-1, 4, 99])
     elif m == "silu_odd_width":
         prologue = SILU_MUL
         x = torch.randn(rows, 2 * k_in + 1)

@@ -82,17 +82,26 @@ FAMILIES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "phi3": _phi3,
 }
 SUPPORTED_ARCHS = tuple(FAMILIES)
+# image-text checkpoints whose language model (``text_config``) is one of the families
+MULTIMODAL = ("gemma3",)
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
 def config_from_hf(hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
     """``ModelConfig`` of an HF ``PretrainedConfig`` (transformers 4.x or 5.x naming);
     ValueError naming the supported families otherwise."""
     arch = getattr(hf, "model_type", None)
-    if arch == "gemma3" and getattr(hf, "text_config", None) is not None:
-        raise ValueError(
-            "model_type: 'gemma3' is Gemma 3's image-text checkpoint; we run its text model "
-            "only as 'gemma3_text' (Gemma3ForCausalLM)"
-        )
+    if arch in MULTIMODAL and getattr(hf, "text_config", None) is not None:
+        # an image-text checkpoint (Gemma 3 4B and up): its language model, text in, text out
+        if not eos_token_ids and getattr(hf, "eos_token_id", None) is not None:
+            eos_token_ids = _ids(hf.eos_token_id)
+        hf = hf.text_config
+        arch = getattr(hf, "model_type", None)
     if arch not in FAMILIES:
         raise ValueError(
             f"model_type: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
@@ -108,10 +117,7 @@ def config_from_hf(hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
     if rotary % 2 or rotary > head_dim:
         raise ValueError(f"partial_rotary_factor: {rotary} rotary dims of {head_dim}")
     if not eos_token_ids:
-        eos = getattr(hf, "eos_token_id", None)
-        eos_token_ids = (
-            tuple(eos) if isinstance(eos, (list, tuple)) else ((int(eos),) if eos is not None else ())
-        )
+        eos_token_ids = _ids(getattr(hf, "eos_token_id", None))
     return ModelConfig(
         arch=arch,
         vocab_size=int(hf.vocab_size),

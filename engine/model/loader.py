@@ -145,8 +145,32 @@ def _untied_state_dict(hf_model: Any) -> dict[str, torch.Tensor]:
     return {name: t.detach().contiguous().clone() for name, t in state.items()}
 
 
+# Where an image-text checkpoint keeps its language model's weights, and the names ours take.
+TEXT_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),  # Gemma 3 as published (and as transformers saves it)
+    ("model.language_model.", "model."),  # transformers 5's own module names
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def text_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An image-text checkpoint's language model under the plain decoder's names (its vision
+    tower and projector left out); any other checkpoint as it is."""
+    if not any(name.startswith(p) for name in state for p, _ in TEXT_MODEL_PREFIXES):
+        return state
+    out = {}
+    for name, tensor in state.items():
+        for prefix, ours in TEXT_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                out[ours + name[len(prefix) :]] = tensor
+        if name == "lm_head.weight":
+            out[name] = tensor
+    return out
+
+
 def read_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """All weights of an HF checkpoint directory (safetensors, else PyTorch .bin)."""
+    """All weights of an HF checkpoint directory (safetensors, else PyTorch .bin); an
+    image-text checkpoint's language model only."""
     from safetensors.torch import load_file
 
     files = sorted(ckpt.glob("*.safetensors"))
@@ -154,13 +178,13 @@ def read_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     if files:
         for f in files:
             state.update(load_file(str(f)))
-        return state
+        return text_model_weights(state)
     bins = sorted(ckpt.glob("pytorch_model*.bin"))
     if not bins:
         raise ValueError(f"model: no *.safetensors or pytorch_model*.bin weights in {str(ckpt)!r}")
     for f in bins:
         state.update(torch.load(f, map_location="cpu", weights_only=True))
-    return state
+    return text_model_weights(state)
 
 
 def _eos_token_ids(ckpt: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -140,3 +140,44 @@ def test_greedy_equals_transformers_and_holds_alone_batched_cached_chunked(
     for a, b, c in zip(alone, batched, chunked):
         assert a.token_ids == b.token_ids == c.token_ids
         assert a.logprobs == b.logprobs == c.logprobs  # the same bits, not just the argmax
+
+
+def test_an_image_text_gemma3_checkpoint_runs_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 4B and up are published as image-text checkpoints (``model_type: gemma3``, the
+    language model under ``language_model.model.*``): text in, the same logits as
+    transformers' image-text model given text alone."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    from workloads.checkpoints.families import randomize
+
+    text = Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, eos_token_id=1)
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    randomize(hf)
+    hf.save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(300)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")),
+                            eos_token="t1").save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, "cpu", "float32")
+    assert loaded.config.arch == "gemma3_text" and loaded.config.layer_windows == (16, 16, 0)
+    ids = torch.randint(2, 300, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    _assert_close(_prefill_logits(loaded, _packed(loaded), ids), ref)

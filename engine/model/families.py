@@ -39,7 +39,7 @@ def _qwen3(hf: Any) -> dict[str, Any]:
 def _gemma(hf: Any) -> dict[str, Any]:
     """What Gemma 2 and Gemma 3 share."""
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):  # both GELU's tanh form; erf's is not ours
         raise ValueError(f"hidden_activation: unsupported {act!r} (gelu_pytorch_tanh)")
     bias = bool(getattr(hf, "attention_bias", False))
     return {

@@ -94,7 +94,6 @@ def test_gguf_in_llama_cpp_layout_loads_to_the_same_model(checkpoints: Any, fami
     ids = _ids(PROMPT_TOKENS, 2)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
-    _packed(loaded)
     _assert_close(_prefill_logits(loaded, _packed(loaded), ids), ref)
     assert loaded.tokenizer.chat_template  # the GGUF's template came along
 

@@ -10,6 +10,7 @@ one by the model's chat template.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -109,4 +110,21 @@ def closed(parameters: dict[str, Any]) -> dict[str, Any]:
     if parameters.get("type", "object") == "object" and "additionalProperties" not in parameters:
         return {**parameters, "additionalProperties": False}
     return parameters
+
+
+def read_calls(scanner: Any, text: str, whole: bool) -> list[ToolCall] | None:
+    """The calls ``scanner`` (a fresh reader with ``complete``) finds in ``text``. ``whole``:
+    only a finished reply of calls with valid JSON arguments, else None; otherwise the calls
+    as far as they got (a reply cut short)."""
+    scanner.feed(text)
+    if whole and not scanner.complete:
+        return None
+    calls = [(name, text[start:end]) for name, start, end in scanner.spans()]
+    if whole:
+        try:
+            for _, arguments in calls:
+                json.loads(arguments)
+        except ValueError:
+            return None
+    return [ToolCall(new_call_id(), name, arguments) for name, arguments in calls]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.api.outputs import ToolCall
 from engine.serving.tools.checks import ToolChoice
-from engine.serving.tools.format import CallReader, new_call_id, one_call_schema
+from engine.serving.tools.format import CallReader, one_call_schema, read_calls
 from engine.serving.tools.radixkv import ValueScan, reply_rule
 from scheduler import StructuredOutputsParams
 
@@ -118,23 +118,10 @@ class HermesToolFormat:
         return HermesScanner()
 
     def parse(self, text: str) -> list[ToolCall] | None:
-        scan = HermesScanner()
-        scan.feed(text)
-        if not scan.complete:
-            return None
-        calls = [(name, text[start:end]) for name, start, end in scan.spans()]
-        try:
-            for _, arguments in calls:
-                json.loads(arguments)
-        except ValueError:
-            return None
-        return [ToolCall(new_call_id(), name, arguments) for name, arguments in calls]
+        return read_calls(HermesScanner(), text, whole=True)
 
     def cut(self, text: str) -> list[ToolCall]:
-        scan = HermesScanner()
-        scan.feed(text)
-        return [ToolCall(new_call_id(), name, text[start:end])
-                for name, start, end in scan.spans()]
+        return read_calls(HermesScanner(), text, whole=False) or []
 
 
 HERMES = HermesToolFormat()

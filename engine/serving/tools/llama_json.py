@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.api.outputs import ToolCall
 from engine.serving.tools.checks import ToolChoice
-from engine.serving.tools.format import new_call_id, one_call_schema
+from engine.serving.tools.format import one_call_schema, read_calls
 from engine.serving.tools.radixkv import ValueScan, reply_rule
 from scheduler import StructuredOutputsParams
 
@@ -93,21 +93,10 @@ class LlamaJsonToolFormat:
         return LlamaCallScanner()
 
     def parse(self, text: str) -> list[ToolCall] | None:
-        scan = LlamaCallScanner()
-        scan.feed(text)
-        if not scan.complete:
-            return None
-        [(name, start, end)] = scan.spans()
-        try:
-            json.loads(text[start:end])
-        except ValueError:
-            return None
-        return [ToolCall(new_call_id(), name, text[start:end])]
+        return read_calls(LlamaCallScanner(), text, whole=True)
 
     def cut(self, text: str) -> list[ToolCall]:
-        scan = LlamaCallScanner()
-        scan.feed(text)
-        return [ToolCall(new_call_id(), name, text[start:end]) for name, start, end in scan.spans()]
+        return read_calls(LlamaCallScanner(), text, whole=False) or []
 
 
 LLAMA_JSON = LlamaJsonToolFormat()

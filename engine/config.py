@@ -39,7 +39,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     ``kv_cache_bytes`` (default: 1 GiB or an eighth of the memory on the CPU, a share of the
     free memory on CUDA). Below it, evicted pages go to host memory (``kv_host_bytes``) and
     page files in ``kv_disk_dir`` (within ``kv_disk_bytes``: default half the free space, at
-    most 16 GiB). Pins (``Engine.pin``, stored conversations) keep at most
+    most 16 GiB). A model with sliding-window layers keeps their KV only near each
+    sequence's end, in ``window_kv_fraction`` window slots per pool page (``radix.window``;
+    0: every page keeps every layer; off with KV tiers). Pins (``Engine.pin``, stored
+    conversations) keep at most
     ``max_pinned_fraction`` of the pool. On the CPU, prefill-sized passes run on ``threads`` threads (None: every
     core) and decode steps on one. ``batch_invariant`` (the CPU's default) makes greedy answers
     independent of the batch, the cache and the page size (on CUDA: FlashInfer's
@@ -61,6 +64,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
     max_pinned_fraction: float = 0.5
+    window_kv_fraction: float = 0.25
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
@@ -89,6 +93,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         f = self.max_pinned_fraction
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 <= f <= 1.0:
             raise ValueError(f"max_pinned_fraction: must be a number in [0, 1], got {f!r}")
+        w = self.window_kv_fraction
+        if isinstance(w, bool) or not isinstance(w, int | float) or not 0.0 <= w <= 1.0:
+            raise ValueError(f"window_kv_fraction: must be a number in [0, 1], got {w!r}")
 
     def _check_tiers(self) -> None:
         for name in ("kv_host_bytes", "kv_disk_bytes"):
@@ -277,6 +284,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-pinned-fraction", type=float, metavar="F",
         help="share of the KV pool pins may keep (stored conversations, Engine.pin; "
         "default 0.5)")
+    add("--window-kv-fraction", type=float, metavar="F",
+        help="sliding-window layers' KV: window slots per pool page (default 0.25; "
+        "0: every page keeps every layer)")
 
 
 def from_args(args: argparse.Namespace, **defaults: Any) -> EngineConfig:

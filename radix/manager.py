@@ -24,6 +24,7 @@ from radix.node import Node, PrefixMatch
 from radix.pins import PinTable
 from radix.tiers import EvictedPage, KVTiers, Tier, TierChanged, TierHit, TierStats
 from radix.tokens import TOKEN_BYTES, encode_tokens
+from radix.window import WindowSlots
 
 
 @dataclass(eq=False, slots=True)
@@ -31,14 +32,17 @@ class CacheHandle:
     """A running request's KV: ``pages[i]`` holds tokens ``[i*p, (i+1)*p)``.
 
     The pages of the first ``cached_len`` tokens are the tree's: the path to ``node``, which
-    this handle keeps locked. The pages after them are private to the request. Only the
-    manager changes a handle.
+    this handle keeps locked. The pages after them are private to the request. With window
+    slots (``WindowSlots``) the handle holds the slots of ``pages[window_from:]``: what its
+    next queries read in a window layer. Only the manager changes a handle.
     """
 
     namespace: str | None
     node: Node
     pages: list[int]
     cached_len: int
+    window_from: int = 0
+    hit_end: int = 0  # pages of the prefix found cached: the window before it is a tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,9 @@ class PageStats:
     pinned: int = 0  # pages kept by pins (radix/pins.py), a part of ``cached``
     pins: int = 0
     pins_released: int = 0  # pins ended by their lifetime, the budget or a need for pages
+    window_slots: int = 0  # window-layer page slots (0: every page holds every layer)
+    window_free: int = 0
+    window_reclaimed: int = 0  # slots taken from cached pages (only grows)
 
 
 class KVManager:
@@ -103,6 +110,8 @@ class KVManager:
 
     ``prefix_cache=False`` keeps the tree empty: nothing computed is ever shared, and every
     page a request had goes back to the free list when it ends (the benchmarks' baseline).
+    ``window``: the window layers' slots (``radix.window``) of a window-aware pool; a hit is
+    then cut back to where the window before it still has its KV.
     """
 
     def __init__(
@@ -112,6 +121,7 @@ class KVManager:
         prefix_cache: bool = True,
         tiers: KVTiers | None = None,
         max_pinned_fraction: float = 0.5,
+        window: WindowSlots | None = None,
     ) -> None:
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(
@@ -119,6 +129,11 @@ class KVManager:
             )
         if tiers is not None and not prefix_cache:
             raise ValueError("tiers: KV tiers need prefix_cache=True (nothing would be cached)")
+        if window is not None and tiers is not None:
+            raise ValueError("tiers: KV tiers do not keep window slots (use one or the other)")
+        if window is not None and len(window.slot_of) != num_pages:
+            raise ValueError(f"window: made for {len(window.slot_of)} pages, not {num_pages}")
+        self._window = window
         self._tree = RadixCache(page_size)
         self._allocator = PageAllocator(num_pages)
         self._page_size = page_size
@@ -175,6 +190,18 @@ class KVManager:
         ``expire``, ``release_oldest``: on the loop's thread, as everything here)."""
         return self._pins
 
+    @property
+    def window(self) -> WindowSlots | None:
+        """The window layers' slots (None: the pool keeps every layer of every page)."""
+        return self._window
+
+    @property
+    def growable(self) -> int:
+        """Pages a request can add now: ``available``, and as many window slots."""
+        if self._window is None:
+            return self.available
+        return min(self.available, self._window.available)
+
     def tier_stats(self) -> TierStats | None:
         return None if self._tiers is None else self._tiers.stats()
 
@@ -192,7 +219,18 @@ class KVManager:
             pinned=self._pins.pinned_pages(),
             pins=len(self._pins.pins),
             pins_released=self._pins.released,
+            **self._window_stats(),
         )
+
+    def _window_stats(self) -> dict[str, int]:
+        window = self._window
+        if window is None:
+            return {}
+        return {
+            "window_slots": window.num_slots,
+            "window_free": window.num_free,
+            "window_reclaimed": window.reclaimed,
+        }
 
     def subscribe(self, listener: Callable[[KVEvent], None]) -> None:
         """Call ``listener`` with every PagesStored and PagesEvicted from now on, and with the
@@ -215,8 +253,33 @@ class KVManager:
     def acquire(self, tokens: Sequence[int], namespace: str | None = None) -> CacheHandle:
         """A handle on the cached prefix of ``tokens``, locked so it stays until ``release``."""
         found = self._tree.match_prefix(tokens, namespace)
+        window = self._window
+        if window is None:
+            self._tree.lock(found.node)
+            return CacheHandle(namespace, found.node, list(found.pages), found.length)
+        usable = window.usable_length(found.pages, found.length)
+        if usable < found.length:
+            found = self._tree.match_prefix(tokens[:usable], namespace)
         self._tree.lock(found.node)
-        return CacheHandle(namespace, found.node, list(found.pages), found.length)
+        start = window.first_needed(found.length)
+        window.hold(found.pages[start:])
+        hit = len(found.pages)
+        return CacheHandle(namespace, found.node, list(found.pages), found.length, start, hit)
+
+    def slide(self, handle: CacheHandle, query_pos: int) -> None:
+        """``handle``'s next queries start at ``query_pos``: the window slots of its pages no
+        window layer reads from there on are no longer its to keep, but for a quarter window
+        more (``WindowSlots.tail_start``), which becomes its tail when it ends."""
+        window = self._window
+        if window is None:
+            return
+        start = min(window.tail_start(query_pos), len(handle.pages))
+        begin = handle.window_from
+        if start > begin:
+            for i in range(begin, start):  # the window before a hit or a checkpoint: a tail
+                tail = i < handle.hit_end or window.before_checkpoint(i)
+                window.drop((handle.pages[i],), tail=tail)
+            handle.window_from = start
 
     def allocate(self, handle: CacheHandle, num_tokens: int, evict: bool = True) -> bool:
         """Grow ``handle``'s page table to hold ``num_tokens`` tokens, evicting LRU pages if
@@ -225,6 +288,9 @@ class KVManager:
         need = -(-num_tokens // self._page_size) - len(handle.pages)
         if need <= 0:
             return True
+        window = self._window
+        if window is not None and need > window.available:
+            return False  # evicting pool pages frees no slot a hold keeps
         allocator = self._allocator
         short = need - allocator.num_free
         if short > 0:
@@ -242,10 +308,15 @@ class KVManager:
                     self._announce(event)
                     for evictions in self._eviction_listeners:
                         evictions(event)
+            if window is not None:
+                window.forget(freed)
             allocator.free(freed)
             self._evicted += len(freed)
         pages = allocator.alloc(need)
         assert pages is not None, "eviction freed fewer pages than it promised"
+        if window is not None:
+            given = window.give(pages)
+            assert given, "window slots ran short after they were counted"
         handle.pages.extend(pages)
         return True
 
@@ -275,8 +346,12 @@ class KVManager:
         found = inserted.match
         tree.lock(found.node)
         tree.unlock(handle.node)
-        duplicates = handle.pages[handle.cached_len // p : inserted.cached // p]
+        first_dup = handle.cached_len // p
+        duplicates = handle.pages[first_dup : inserted.cached // p]
         if duplicates:
+            if self._window is not None:
+                self._swap_window(handle, first_dup, found.pages[first_dup : inserted.cached // p])
+                self._window.forget(duplicates)
             self._allocator.free(duplicates)
         handle.pages[:num_pages] = found.pages
         handle.node = found.node
@@ -293,6 +368,21 @@ class KVManager:
                 )
             )
         return handle
+
+    def _swap_window(self, handle: CacheHandle, first: int, keepers: Sequence[int]) -> None:
+        """The tree's ``keepers`` replace ``handle``'s pages from index ``first`` on: the
+        handle's holds move to them, with the slots of the window KV it just computed where
+        the tree's pages had lost theirs."""
+        window = self._window
+        assert window is not None
+        for i, keeper in enumerate(keepers, start=first):
+            duplicate = handle.pages[i]
+            held = i >= handle.window_from
+            if held:
+                window.drop([duplicate])
+            window.adopt(keeper, duplicate)
+            if held:
+                window.hold([keeper])
 
     def load(self, handle: CacheHandle, tokens: Sequence[int]) -> TierLoad:
         """Extend a fresh handle's cached prefix with the pages of ``tokens`` found below the
@@ -345,6 +435,11 @@ class KVManager:
         if tokens is not None:
             self.cache(handle, tokens)
         private = handle.pages[handle.cached_len // self._page_size :]
+        window = self._window
+        if window is not None:
+            window.drop(handle.pages[handle.window_from :], tail=True)  # held: its tail
+            window.forget(private)
+            handle.window_from = 0
         if private:
             self._allocator.free(private)
         self._tree.unlock(handle.node)
@@ -363,9 +458,12 @@ class KVManager:
         for page in tree_pages:
             assert not allocator.is_free(page), f"page {page} is both free and in the tree"
         private: set[int] = set()
+        holds: dict[int, int] = {}
         live = 0
         for handle in handles:
             live += 1
+            for page in handle.pages[handle.window_from :]:
+                holds[page] = holds.get(page, 0) + 1
             assert handle.cached_len % p == 0, "handle: cached_len is not page-aligned"
             assert handle.node.own_locks > 0, "handle: holds no lock on its node"
             assert _path_pages(handle.node) == handle.pages[: handle.cached_len // p], (
@@ -391,6 +489,8 @@ class KVManager:
             assert pin.active and pin.node.own_locks > 0, "pin: holds no lock on its node"
         if self._tiers is not None:
             self._tiers.check()
+        if self._window is not None:
+            self._window.check(list(tree_pages | private), holds)
 
     def _announce(self, event: KVEvent) -> None:
         for listener in self._listeners:

@@ -324,8 +324,9 @@ class Scheduler:
         start = request.num_computed
         kv = request.kv
         assert kv is not None
+        self._kv.slide(kv, start)  # window slots behind this step's queries are not read again
         if n > 1:
-            room = len(kv.pages) + self._kv.available
+            room = len(kv.pages) + self._kv.growable
             n = max(1, min(n, room * p - start))
         while not self._kv.allocate(kv, start + n):
             if self._kv.pins.release_oldest():
@@ -356,6 +357,9 @@ class Scheduler:
             admitted = self._try_admit(plan, request, committed)
             if admitted is None:
                 return  # head of line: nothing overtakes a preempted request
+            if request.state is not RequestState.RUNNING:
+                self._resume.pop_head()  # it preempted itself and is queued again: once
+                return
             committed = admitted
             self._resume.pop_head()
             if request.state is RequestState.RUNNING:
@@ -396,7 +400,9 @@ class Scheduler:
         matchable = tokens[: matchable_length(request, self._page_size)]
         kv = self._kv.acquire(matchable, request.namespace)  # locked: nothing evicts it now
         need = self._projected_pages(request) - len(kv.pages)
-        if committed + need > self._kv.available:
+        if committed + need > self._kv.available or self._kv.growable < 1:
+            # (``growable``: a window-aware pool may have pool pages but no window slot free
+            # for the first new page until running requests slide on or end)
             self._kv.release(kv)
             return None
         # Pages below the pool come back now, before the request computes anything: a load

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.model.device_copy import on_device
@@ -16,6 +17,12 @@ class KVPool:
     pool never allocates, it only stores. A token's slot is ``page * page_size + offset``.
     ``scratch_pages`` more pages follow them, ids ``num_pages`` and up, never handed out: a
     decode graph's padding rows write their K/V there (``scratch_page``).
+
+    A window-aware pool (``window_layers``) keeps those layers' K/V in ``window_pages`` window
+    slots instead: a page's slot is ``window_map[page]`` (the KV manager's
+    ``WindowSlots.slot_of``, attached with ``attach_window``; -1: none, its window-layer KV is
+    gone). ``write``, ``copy_slots`` and the backends (``window_slots``, ``window_pages_of``)
+    go through it for those layers.
     """
 
     def __init__(
@@ -28,9 +35,17 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         scratch_pages: int = 0,
+        window_layers: Sequence[int] = (),
+        window_pages: int = 0,
     ) -> None:
         if scratch_pages < 0:
             raise ValueError(f"scratch_pages: must be >= 0, got {scratch_pages}")
+        if window_layers and (window_pages < 1 or scratch_pages):
+            raise ValueError(
+                "window_pages: a window-aware pool needs >= 1 window page and no scratch pages"
+            )
+        if any(not 0 <= layer < num_layers for layer in window_layers):
+            raise ValueError(f"window_layers: {list(window_layers)} not all in 0..{num_layers - 1}")
         for name, value in (
             ("num_layers", num_layers),
             ("num_pages", num_pages),
@@ -48,13 +63,68 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages + scratch_pages, page_size, num_kv_heads, head_dim)
-        self.k_cache = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_cache = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        self.window_layers = frozenset(window_layers)
+        self.window_pages = window_pages if window_layers else 0
+        self.window_map: np.ndarray | None = None
+        full = (num_pages + scratch_pages, page_size, num_kv_heads, head_dim)
+        slots = (window_pages, page_size, num_kv_heads, head_dim)
+
+        def layer_tensor(layer: int) -> torch.Tensor:
+            shape = slots if layer in self.window_layers else full
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        self.k_cache = [layer_tensor(layer) for layer in range(num_layers)]
+        self.v_cache = [layer_tensor(layer) for layer in range(num_layers)]
+
+    # ------------------------------------------------------------------ window layers
+
+    def attach_window(self, window_map: np.ndarray) -> None:
+        """Read the window layers' pages through ``window_map`` (page -> slot, -1: none)."""
+        if not self.window_layers:
+            raise ValueError("window_map: this pool has no window layers")
+        if window_map.shape != (self.num_pages,):
+            raise ValueError(f"window_map: expected {self.num_pages} entries, got {window_map.shape}")
+        self.window_map = window_map
+
+    def is_window(self, layer: int) -> bool:
+        return layer in self.window_layers
+
+    def _map(self) -> torch.Tensor:
+        if self.window_map is None:
+            raise RuntimeError("KVPool: window layers used before attach_window")
+        return torch.from_numpy(self.window_map).to(self.device)
+
+    def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Pool slots -> window-layer slots; RuntimeError where a page has no window slot
+        (a write there would land in another page's KV)."""
+        p = self.page_size
+        mapped = self._map()[slots // p]
+        if bool((mapped < 0).any()):
+            raise RuntimeError("KVPool: a token's page has no window slot")
+        return mapped * p + slots % p
+
+    def window_pages_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """Pool pages -> window slots, 0 where a page has none (``check_window`` has made
+        sure no window layer reads those)."""
+        return self._map()[pages.long()].clamp_min(0).to(pages.dtype)
+
+    def check_window(
+        self, kv_indptr: Sequence[int], kv_indices: torch.Tensor, query_starts: Sequence[int],
+        window: int,
+    ) -> None:
+        """RuntimeError unless every page a window layer reads (each request's pages from its
+        first query's window on) has a window slot: the guard of "exact or not taken"."""
+        mapped = self.window_map
+        if mapped is None:
+            raise RuntimeError("KVPool: window layers used before attach_window")
+        pages = kv_indices.cpu().numpy()
+        p = self.page_size
+        for r, start in enumerate(query_starts):
+            first = kv_indptr[r] + max(0, start - window + 1) // p
+            if (mapped[pages[first : kv_indptr[r + 1]]] < 0).any():
+                raise RuntimeError(
+                    f"KVPool: request {r} reads a page whose window-layer KV is gone"
+                )
 
     @property
     def scratch_page(self) -> int | None:
@@ -85,10 +155,8 @@ class KVPool:
 
     @property
     def num_bytes(self) -> int:
-        per_page = self.bytes_per_page(
-            self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
-        return per_page * self.num_pages
+        """K and V of every layer: the pool pages' and the window slots'."""
+        return sum(t.numel() * t.element_size() for t in (*self.k_cache, *self.v_cache))
 
     def k_flat(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K as ``[num_pages * page_size, num_kv_heads, head_dim]`` (a view)."""
@@ -98,7 +166,10 @@ class KVPool:
         return self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V ``[T, num_kv_heads, head_dim]`` at int64 ``slots`` ``[T]``."""
+        """Store new K/V ``[T, num_kv_heads, head_dim]`` at int64 ``slots`` ``[T]`` (pool
+        slots: a window layer's go through its map)."""
+        if layer in self.window_layers:
+            slots = self.window_slots(slots)
         self.k_flat(layer).index_copy_(0, slots, k.to(self.dtype))
         self.v_flat(layer).index_copy_(0, slots, v.to(self.dtype))
 
@@ -108,9 +179,12 @@ class KVPool:
             return
         s = on_device(src, torch.int64, self.device)
         d = on_device(dst, torch.int64, self.device)
+        if self.window_layers:
+            ws, wd = self.window_slots(s), self.window_slots(d)
         for layer in range(self.num_layers):
+            a, b = (ws, wd) if layer in self.window_layers else (s, d)
             for flat in (self.k_flat(layer), self.v_flat(layer)):
-                flat.index_copy_(0, d, flat.index_select(0, s))
+                flat.index_copy_(0, b, flat.index_select(0, a))
 
     # ------------------------------------------------------------------ pages as bytes
 
@@ -123,7 +197,9 @@ class KVPool:
 
     def read_pages(self, pages: Sequence[int]) -> list[bytes]:
         """Each page's K and V of every layer as one bytes object (layer-major: K0 V0 K1 ...),
-        bit for bit, on the host."""
+        bit for bit, on the host. Not for a window-aware pool (its tiers are off)."""
+        if self.window_layers:
+            raise RuntimeError("KVPool: a window-aware pool's pages are not whole")
         if not pages:
             return []
         index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
@@ -137,6 +213,8 @@ class KVPool:
 
     def write_pages(self, pages: Sequence[int], data: Sequence[bytes]) -> None:
         """Store ``read_pages`` bytes into ``pages`` (the inverse of ``read_pages``)."""
+        if self.window_layers:
+            raise RuntimeError("KVPool: a window-aware pool's pages are not whole")
         if len(pages) != len(data):
             raise ValueError(f"data: expected {len(pages)} pages' bytes, got {len(data)}")
         if not pages:

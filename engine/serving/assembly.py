@@ -24,6 +24,7 @@ from engine.model.bringup.build import (
     build_runner,
     verified_invariant,
     warn_if_slow_dtype,
+    widest_window,
 )
 from engine.model.bringup.load import load_model
 from engine.model.loader import LoadedModel
@@ -33,6 +34,7 @@ from engine.serving.inputs import PromptPreparer
 from engine.serving.kv_tiers import build_tiers
 from engine.serving.loop import EngineLoop
 from radix import KVManager
+from radix.window import WindowSlots
 from scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("radixkv.engine")
@@ -72,9 +74,15 @@ def assemble(config: EngineConfig | None, overrides: dict[str, Any]) -> EnginePa
     warn_if_slow_dtype(platform, loaded.dtype)
     grammars = Grammars(loaded.tokenizer)  # structured outputs: checked here, masked there
     pool = build_pool(loaded, config, platform)
+    window = None
+    if pool.window_layers:
+        window = WindowSlots(
+            pool.num_pages, pool.window_pages, widest_window(loaded), config.page_size
+        )
+        pool.attach_window(window.slot_of)
     kv = KVManager(
         pool.num_pages, config.page_size, config.prefix_cache,
-        build_tiers(loaded, pool, config, platform), config.max_pinned_fraction,
+        build_tiers(loaded, pool, config, platform), config.max_pinned_fraction, window,
     )
     runner = build_runner(loaded, pool, config, platform, grammars)
     invariant = runner.batch_invariant and verified_invariant(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,15 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.kv_pool import KVPool
 from engine.model.model_config import LayerAttention
 from engine.model.rope import Rope, apply_rope_
+
+
+@dataclass(frozen=True, eq=False)
+class WindowIndex:
+    """One pass's indices in a window-aware pool's window slots (``KVPool.window_map``)."""
+
+    forward_batch: ForwardBatch
+    slots: torch.Tensor  # int64, each new token's window slot
+    kv_indices: torch.Tensor  # int32, each request's pages as window slots (0: not read)
 
 
 class AttentionBackend(ABC):
@@ -43,6 +53,7 @@ class AttentionBackend(ABC):
         self.device = device
         self.plain = LayerAttention(head_dim**-0.5)
         self.layers = tuple(layers) if layers is not None else None
+        self._window_index: WindowIndex | None = None
         if self.layers is not None:
             unsupported = [a for a in self.layers if not self.supports(a)]
             if unsupported:
@@ -50,6 +61,21 @@ class AttentionBackend(ABC):
                     f"model: its attention ({unsupported[0]}) does not run on the "
                     f"{self.name!r} attention backend"
                 )
+
+    def window_index(self, pool: KVPool, fb: ForwardBatch) -> WindowIndex:
+        """``fb``'s slots and pages in ``pool``'s window slots (a window-aware pool), made
+        once per pass, after checking every page a window layer will read still has its
+        KV."""
+        cached = self._window_index
+        if cached is not None and cached.forward_batch is fb:
+            return cached
+        widest = max((a.window for a in self.layers or ()), default=0)
+        indptr = fb.kv_indptr.tolist()
+        starts = [kv - q for q, kv in zip(fb.qo_lens, fb.kv_lens)]
+        pool.check_window(indptr, fb.kv_indices, starts, widest)
+        index = WindowIndex(fb, pool.window_slots(fb.slots), pool.window_pages_of(fb.kv_indices))
+        self._window_index = index
+        return index
 
     def supports(self, attention: LayerAttention) -> bool:
         """Whether this backend runs ``attention`` (every backend runs plain attention)."""

@@ -160,7 +160,10 @@ class TorchAttentionBackend(AttentionBackend):
         k_pages, v_pages = pool.k_cache[layer], pool.v_cache[layer]
         spec = self.layer(layer)
         if spec.softcap or spec.window:
-            return self._attend_variant(fb, spec, q, k_pages, v_pages)
+            kv_indices = fb.kv_indices
+            if pool.is_window(layer):
+                kv_indices = self.window_index(pool, fb).kv_indices
+            return self._attend_variant(fb, spec, q, k_pages, v_pages, kv_indices)
         self._scale = spec.scale
         if len(self._groups) == 1 and self._groups[0].contiguous_tokens is not None:
             return self._attend(self._groups[0], q, k, v, k_pages, v_pages).reshape(q.shape)
@@ -247,9 +250,11 @@ class TorchAttentionBackend(AttentionBackend):
         q: torch.Tensor,
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
+        kv_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Request by request: scores by ``spec.scale``, capped, masked to the causal window,
-        softmax in float32, then the values."""
+        softmax in float32, then the values. ``kv_indices``: the pages in ``k_pages``' ids
+        (``fb.kv_indices``, or their window slots)."""
         out = torch.empty_like(q)
         indptr = fb.kv_indptr.tolist()
         qo_ptr = fb.qo_indptr.tolist()
@@ -258,7 +263,7 @@ class TorchAttentionBackend(AttentionBackend):
         for r in range(fb.batch_size):
             n_q, n_k = fb.qo_lens[r], fb.kv_lens[r]
             a = qo_ptr[r]
-            pages = fb.kv_indices[indptr[r] : indptr[r + 1]].long()
+            pages = kv_indices[indptr[r] : indptr[r + 1]].long()
             keys = k_pages[pages].reshape(-1, hkv, d)[:n_k].float()
             values = v_pages[pages].reshape(-1, hkv, d)[:n_k].float()
             qs = q[a : a + n_q].float().view(n_q, hkv, rep, d)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -195,6 +195,7 @@ class ExactAttentionBackend(AttentionBackend):
         self.threads = threads  # every pass's attention runs on this many threads
         self._native: NativePlan | None = None
         self._fb: ForwardBatch | None = None
+        self._window_plan: tuple[ForwardBatch, NativePlan] | None = None
 
     @property
     def kernel_name(self) -> str:
@@ -217,12 +218,27 @@ class ExactAttentionBackend(AttentionBackend):
             fb.qo_lens, fb.kv_lens, tables, fb.input_ids.device
         )
 
+    def _layer_plan(
+        self, layer: int, pool: KVPool, fb: ForwardBatch, plan: NativePlan
+    ) -> tuple[torch.Tensor, NativePlan]:
+        """The new tokens' slots and the plan for ``layer``: a window layer of a window-aware
+        pool reads and writes its window slots."""
+        if not pool.is_window(layer):
+            return fb.slots, plan
+        index = self.window_index(pool, fb)
+        made = self._window_plan
+        if made is None or made[0] is not fb:
+            tables = pool.window_pages_of(plan.tables)
+            made = self._window_plan = (fb, replace(plan, tables=tables))
+        return index.slots, made[1]
+
     def run(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
     ) -> torch.Tensor:
         fb, plan = self._fb, self._native
         if fb is None or plan is None:
             raise RuntimeError("ExactAttentionBackend.run called before plan")
+        _, plan = self._layer_plan(layer, pool, fb, plan)
         pool.write(layer, fb.slots, k, v)
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
@@ -245,8 +261,9 @@ class ExactAttentionBackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         cos, sin = rope  # [T, 1, D/2] float32 and contiguous: the kernel reads them as [T, D/2]
         spec = self.layer(layer)
+        slots, plan = self._layer_plan(layer, pool, fb, plan)
         out = rope_write_attend(
-            self.kernel, qkv, cos, sin, fb.slots, pool.k_cache[layer], pool.v_cache[layer],
+            self.kernel, qkv, cos, sin, slots, pool.k_cache[layer], pool.v_cache[layer],
             plan, self.num_heads // hkv, spec.scale, self.threads, spec.softcap, spec.window,
         )
         return out.view(-1, self.num_heads * d)

@@ -123,7 +123,7 @@ class RemoteEngine:
         [(ids, p)] = self._prompts.prepare(prompt, params, namespace, pool, single=True)
         text = self.tokenizer.decode(ids)
         ids = ids if isinstance(ids, PromptIds) else PromptIds(ids)  # checked: replicas trust it
-        call = EngineCall(ids, p, namespace, stream, text, check_pin_ttl(pin_ttl))
+        call = EngineCall(ids, p, namespace, stream, text, check_pin_ttl(pin_ttl, "pin_ttl"))
         request_id = next(self._ids)
         handle, sink = RequestHandle.open(request_id, self._abort)
         task = asyncio.get_running_loop().create_task(self._pump(call, sink))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.api import MAX_PIN_TTL_S
+
 MAX_BODY_BYTES = 4 << 20
 MAX_CHOICES = 256
 
@@ -40,8 +42,13 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not self.model_name:
             raise ValueError("model_name: must not be empty")
         ttl = self.response_ttl
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl < 1e9:
-            raise ValueError(f"response_ttl: must be a number of seconds >= 0, got {ttl!r}")
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not (
+            0 <= ttl <= MAX_PIN_TTL_S
+        ):
+            raise ValueError(
+                f"response_ttl: must be a number of seconds in [0, {MAX_PIN_TTL_S:.0f}] "
+                f"(30 days), got {ttl!r}"
+            )
         for name in ("max_queued", "max_body_bytes", "max_choices", "response_store_max",
                      "response_store_bytes"):
             value = getattr(self, name)

@@ -22,10 +22,11 @@ from engine.api.handle import (
 )
 from engine.api.inspector import InspectSnapshot
 from engine.api.outputs import RequestOutput, TokenLogprob, ToolCall
-from engine.api.pins import PrefixPin, check_pin_ttl
+from engine.api.pins import MAX_PIN_TTL_S, PrefixPin, check_pin_ttl
 from engine.api.stats import EngineStats
 
 __all__ = [
+    "MAX_PIN_TTL_S",
     "ContextLengthError",
     "Delta",
     "Done",

@@ -52,13 +52,21 @@ class PrefixPin:
         return f"PrefixPin(tokens={self.tokens}, expires={self.expires:.1f}, active={self.active})"
 
 
-def check_pin_ttl(ttl: Any) -> float | None:
-    """A pin's lifetime in seconds: a finite number > 0 (None passes: no pin); ValueError
-    names ``ttl``."""
+MAX_PIN_TTL_S = 30 * 24 * 3600.0  # a pin's longest lifetime: 30 days
+
+
+def check_pin_ttl(ttl: Any, field: str = "ttl", required: bool = False) -> float | None:
+    """A pin's lifetime in seconds: a number in (0, MAX_PIN_TTL_S] (None passes unless
+    ``required``: no pin); ValueError names ``field``."""
     if ttl is None:
+        if required:
+            raise ValueError(f"{field}: required, seconds in (0, {MAX_PIN_TTL_S:.0f}]")
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not (
-        math.isfinite(ttl) and ttl > 0
+        math.isfinite(ttl) and 0 < ttl <= MAX_PIN_TTL_S
     ):
-        raise ValueError(f"ttl: must be a finite number of seconds > 0, got {ttl!r}")
+        raise ValueError(
+            f"{field}: must be a number of seconds in (0, {MAX_PIN_TTL_S:.0f}] (30 days), "
+            f"got {ttl!r}"
+        )
     return float(ttl)

@@ -163,7 +163,7 @@ class Engine:
         for that many seconds (as ``pin`` does): a conversation's next turn finds them.
         """
         [(ids, p)] = self._prepare(prompt, params, namespace, single=True)
-        return self._submit_ids(ids, p, namespace, stream, check_pin_ttl(pin_ttl))
+        return self._submit_ids(ids, p, namespace, stream, check_pin_ttl(pin_ttl, "pin_ttl"))
 
     def pin(
         self, prompt: Any, *, ttl: float, namespace: str | None = None,
@@ -177,7 +177,7 @@ class Engine:
         cached pages again (written down to the KV tiers when evicted, where there are
         tiers)."""
         [(ids, _)] = self._prepare(prompt, None, namespace, single=True)
-        order = PinPrefix(list(ids), namespace, check_pin_ttl(ttl))
+        order = PinPrefix(list(ids), namespace, check_pin_ttl(ttl, required=True))
         self._inbox.post(order)
         pin = order.answer.result(timeout)
         if pin is None or not pin.active:  # nothing cached, or alone over the budget

@@ -20,6 +20,7 @@ Failure is contained at the smallest scope that is still safe:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import warnings
@@ -36,6 +37,8 @@ from engine.serving.inspector import LoopInspector
 from engine.serving.job import Job
 from radix import KVEvent, KVManager
 from scheduler import Batch, Request, RequestState, Scheduler
+
+log = logging.getLogger("radixkv.engine")
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 _NO_TIERS = EngineStats.zero().tiers  # frozen: one serves every snapshot without tiers
@@ -131,14 +134,16 @@ class EngineLoop:
             wait = idle_checked and not self._has_work()
             # Idle with pins: wake when the first one ends, so stats() stops counting it.
             expiry = self._kv.pins.next_expiry() if wait else None
-            timeout = None if expiry is None else max(expiry - time.monotonic(), 0.0) + 0.001
+            timeout = None if expiry is None else min(
+                max(expiry - time.monotonic(), 0.0) + 0.001, threading.TIMEOUT_MAX
+            )
             commands, closing = self._inbox.take(wait, timeout)
             self._taken.extend(commands)
             if closing:
                 self._shut_down()
                 return
             while self._taken:
-                self._handle(self._taken.popleft())
+                self._handle_alone(self._taken.popleft())
             self._kv.pins.expire(time.monotonic())
             if not self._has_work():
                 if not idle_checked:
@@ -156,6 +161,22 @@ class EngineLoop:
                 self._inspector.admitted(batch)
                 self._step(batch)
             self._publish()
+
+    def _handle_alone(self, command: Command) -> None:
+        """``_handle``, where a command that raises fails alone: its caller hears the error,
+        every other request and later call goes on (nothing a caller passes kills the loop)."""
+        try:
+            self._handle(command)
+        except Exception as exc:  # noqa: BLE001 - one command's fault, not the loop's
+            log.exception("engine loop: %s failed; the engine goes on", type(command).__name__)
+            match command:
+                case Submit(job) if job.request.id in self._live:
+                    self._fail(job, exc)
+                case Submit(job):
+                    self._failed += 1
+                    self._outbox.append((job, Failed(exc)))
+                case PinPrefix() | Inspect() if not command.answer.done():
+                    command.answer.set_exception(exc)
 
     def _handle(self, command: Command) -> None:
         match command:

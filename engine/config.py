@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -39,7 +40,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     ``kv_cache_bytes`` (default: 1 GiB or an eighth of the memory on the CPU, a share of the
     free memory on CUDA). Below it, evicted pages go to host memory (``kv_host_bytes``) and
     page files in ``kv_disk_dir`` (within ``kv_disk_bytes``: default half the free space, at
-    most 16 GiB). A model with sliding-window layers keeps their KV only near each
+    most 16 GiB), and to a remote store every engine of the model shares (``kv_remote``:
+    ``redis://[:password@]host:port/db`` or ``rediss://``). A model with sliding-window layers keeps their KV only near each
     sequence's end, in ``window_kv_fraction`` window slots per pool page (``radix.window``;
     0: every page keeps every layer; off with KV tiers). Pins (``Engine.pin``, stored
     conversations) keep at most
@@ -63,6 +65,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_host_bytes: int | None = None
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
+    kv_remote: str | None = None
     max_pinned_fraction: float = 0.5
     window_kv_fraction: float = 0.25
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -111,9 +114,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("kv_disk_dir: must be a non-empty path")
         if self.kv_disk_bytes is not None and directory is None:
             raise ValueError("kv_disk_bytes: needs kv_disk_dir (where the pages go)")
+        remote = self.kv_remote
+        if remote is not None and (
+            not isinstance(remote, str)
+            or urlsplit(remote).scheme not in ("redis", "rediss")
+            or not urlsplit(remote).hostname
+        ):
+            raise ValueError(
+                "kv_remote: expected redis://[:password@]host:port/db or rediss://..., "
+                f"got {remote!r}"
+            )
         if self.tiered and not self.scheduler.prefix_cache:
             raise ValueError(
-                "kv_host_bytes, kv_disk_dir: KV tiers need prefix_cache=True (nothing is cached)"
+                "kv_host_bytes, kv_disk_dir, kv_remote: KV tiers need prefix_cache=True "
+                "(nothing is cached)"
             )
         if directory is not None:
             path = Path(directory).expanduser()
@@ -141,7 +155,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def tiered(self) -> bool:
         """Whether any KV tier below the pool is asked for."""
-        return bool(self.kv_host_bytes) or self.kv_disk_dir is not None
+        return bool(self.kv_host_bytes) or self.kv_disk_dir is not None or bool(self.kv_remote)
 
     # -------------------------------------------------------------------------- building
 
@@ -281,6 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="disk tier under the KV pool (kept across restarts; default: off)")
     add("--kv-disk-bytes", type=byte_size, metavar="SIZE",
         help="disk tier budget, e.g. 20G (default: half the free space, at most 16G)")
+    add("--kv-remote", metavar="URL",
+        help="remote KV tier every engine of the model shares: redis://[:password@]host:port/db "
+        "or rediss:// (default: off)")
     add("--max-pinned-fraction", type=float, metavar="F",
         help="share of the KV pool pins may keep (stored conversations, Engine.pin; "
         "default 0.5)")

@@ -77,10 +77,11 @@ class TierLoad:
 
     host: int = 0
     disk: int = 0
+    remote: int = 0
 
     @property
     def total(self) -> int:
-        return self.host + self.disk
+        return self.host + self.disk + self.remote
 
 
 NO_LOAD = TierLoad()
@@ -356,6 +357,15 @@ class KVManager:
         handle.pages[:num_pages] = found.pages
         handle.node = found.node
         handle.cached_len = aligned
+        if inserted.cached < aligned and self._tiers is not None and self._tiers.remote is not None:
+            first = inserted.cached // p
+            keys = _last_hashes(found.node, num_pages - first)
+            buf = encode_tokens(tokens[inserted.cached : aligned])
+            step = p * TOKEN_BYTES
+            self._tiers.share([
+                EvictedPage(page, key, buf[i * step : (i + 1) * step])
+                for i, (page, key) in enumerate(zip(found.pages[first:], keys))
+            ])
         if inserted.cached < aligned and self._listeners:
             first = inserted.cached // p
             self._announce(
@@ -403,7 +413,8 @@ class KVManager:
         tiers.install(handle.pages[start // p :], fetched)
         self.cache(handle, tokens[:end])
         host = p * sum(1 for page in fetched if page.tier is Tier.HOST)
-        return TierLoad(host=host, disk=end - start - host)
+        remote = p * sum(1 for page in fetched if page.tier is Tier.REMOTE)
+        return TierLoad(host=host, disk=end - start - host - remote, remote=remote)
 
     def _below(self, tokens: Sequence[int], start: int, seed: int) -> list[TierHit]:
         """The whole pages of ``tokens`` after the first ``start`` found below the pool, in

@@ -23,6 +23,7 @@ class SchedulerCounters:
     # Of cached_tokens, those loaded back from the KV tiers below the pool.
     cached_tokens_host: int = 0
     cached_tokens_disk: int = 0
+    cached_tokens_remote: int = 0
     computed_prefill_tokens: int = 0
     generated_tokens: int = 0
     evicted_pages: int = 0
@@ -55,4 +56,5 @@ class SchedulerCounters:
     @property
     def cached_tokens_pool(self) -> int:
         """Prompt tokens served from the pool's tree (the rest of cached_tokens was loaded)."""
-        return self.cached_tokens - self.cached_tokens_host - self.cached_tokens_disk
+        below = self.cached_tokens_host + self.cached_tokens_disk + self.cached_tokens_remote
+        return self.cached_tokens - below

@@ -422,6 +422,7 @@ class Scheduler:
             counters.cached_tokens += kv.cached_len
             counters.cached_tokens_host += loaded.host
             counters.cached_tokens_disk += loaded.disk
+            counters.cached_tokens_remote += loaded.remote
         remaining = len(tokens) - kv.cached_len
         self._plan_tokens(plan, request, min(remaining, plan.budget))
         if request.state is not RequestState.RUNNING:

@@ -138,30 +138,33 @@ class EngineCollector(Collector):
         c, t = s.counters, s.tiers
         by_source = CounterMetricFamily(
             PREFIX + "cached_tokens",
-            "Prompt tokens served from the cache, by where their KV was: pool, host, disk.",
+            "Prompt tokens served from the cache, by where their KV was: pool, host, disk, remote.",
             labels=[*names, "cache_source"],
         )
         for source, count in (
             ("pool", c.cached_tokens_pool),
             ("host", c.cached_tokens_host),
             ("disk", c.cached_tokens_disk),
+            ("remote", c.cached_tokens_remote),
         ):
             by_source.add_metric([*values, source], count)
         yield by_source
         per_tier = (
             (CounterMetricFamily, "kv_tier_pages_written", "KV pages written down to a tier.",
-             t.written_host, t.written_disk),
+             t.written_host, t.written_disk, t.written_remote),
             (CounterMetricFamily, "kv_tier_pages_loaded", "KV pages loaded back from a tier.",
-             t.loaded_host, t.loaded_disk),
+             t.loaded_host, t.loaded_disk, t.loaded_remote),
             (GaugeMetricFamily, "kv_tier_pages", "KV pages a tier holds.",
-             t.host_pages, t.disk_pages),
+             t.host_pages, t.disk_pages, None),
             (GaugeMetricFamily, "kv_tier_bytes", "Bytes of KV a tier holds.",
-             t.host_bytes, t.disk_bytes),
+             t.host_bytes, t.disk_bytes, None),
         )
-        for kind, name, doc, host, disk in per_tier:
+        for kind, name, doc, host, disk, remote in per_tier:
             family = kind(PREFIX + name, doc, labels=[*names, "tier"])
             family.add_metric([*values, "host"], host)
             family.add_metric([*values, "disk"], disk)
+            if remote is not None and t.remote:  # a shared store's size is the server's
+                family.add_metric([*values, "remote"], remote)
             yield family
         for name, doc, value in (
             ("kv_tier_pages_dropped", "KV pages that fell off the lowest tier.", t.dropped),

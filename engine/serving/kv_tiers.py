@@ -1,10 +1,11 @@
 """The KV tiers under an engine's pool, built from its config, and what keys the disk.
 
 ``kv_host_bytes`` budgets a host-memory store, ``kv_disk_dir``/``kv_disk_bytes`` a directory
-of page files. The disk's files sit under a *store key* naming everything a page's KV depends
+of page files, ``kv_remote`` a Redis server every engine of the model shares. The disk's files sit under a *store key* naming everything a page's KV depends
 on besides its tokens: the weights (a hash of every tensor), dtype, page size, KV layout, and
 on the CPU the machine (CPU model, flags, torch, cores: the kernels that computed the KV), so
-an engine only ever reads KV that it would itself have computed bit for bit.
+an engine only ever reads KV that it would itself have computed bit for bit. The remote
+store's keys start with the same key: engines share pages with their own kind only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from engine.config import EngineConfig
 from engine.model.kv_pool import KVPool
 from engine.model.loader import LoadedModel
 from engine.model.platform import Platform
-from radix.tiers import DiskStore, HostStore, KVTiers
+from engine.serving.kv_remote import RedisClient
+from radix.tiers import DiskStore, HostStore, KVTiers, RemoteStore
 from radix.tiers.disk import ensure_directory
 
 STORE_FORMAT = 1
@@ -32,18 +34,22 @@ def build_tiers(
     """The tiers the config asks for, or None (an evicted page is then recomputed)."""
     kv_host_bytes, kv_disk_dir = config.kv_host_bytes, config.kv_disk_dir
     host = HostStore(kv_host_bytes) if kv_host_bytes else None
-    disk = None
+    disk = remote = None
+    meta = key = None
+    if kv_disk_dir is not None or config.kv_remote:
+        meta = store_meta(loaded, pool, platform)
+        key = xxhash.xxh64(json.dumps(meta, sort_keys=True).encode()).hexdigest()
     if kv_disk_dir is not None:
         directory = Path(kv_disk_dir).expanduser()
         ensure_directory(directory)  # its free space sizes the default budget
         kv_disk_bytes = config.disk_budget(directory)
-        meta = store_meta(loaded, pool, platform)
-        key = xxhash.xxh64(json.dumps(meta, sort_keys=True).encode()).hexdigest()
         disk = DiskStore(directory, kv_disk_bytes, key)
         disk.write_manifest(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    if host is None and disk is None:
+    if config.kv_remote:
+        remote = RemoteStore(RedisClient(config.kv_remote), key)
+    if host is None and disk is None and remote is None:
         return None
-    return KVTiers(pool, pool.page_size, host, disk)
+    return KVTiers(pool, pool.page_size, host, disk, remote)
 
 
 def store_meta(loaded: LoadedModel, pool: KVPool, platform: Platform) -> dict[str, Any]:

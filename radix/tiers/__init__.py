@@ -9,6 +9,7 @@ from radix.tiers.disk import DiskStore
 from radix.tiers.hierarchy import KVTiers, PageIO, TierStats
 from radix.tiers.host import HostStore
 from radix.tiers.record import EvictedPage, FetchedPage, PageRecord, Tier, TierHit
+from radix.tiers.remote import RemoteClient, RemoteStore
 
 __all__ = [
     "DiskStore",
@@ -19,6 +20,8 @@ __all__ = [
     "LoadCost",
     "PageIO",
     "PageRecord",
+    "RemoteClient",
+    "RemoteStore",
     "Tier",
     "TierChanged",
     "TierHit",

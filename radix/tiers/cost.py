@@ -16,7 +16,7 @@ RETRY_EVERY = 64
 # A page loaded from each tier costs about this share of recomputing it (2-core EPYC, float32:
 # ~0.4 ms from host memory, ~1-1.5 ms from disk, ~35 ms to recompute): what a router assumes
 # of its replicas (``cluster.tier_cost``), which measure their own (``LoadCost``).
-TYPICAL_LOAD_SHARE = {Tier.HOST: 0.02, Tier.DISK: 0.05}
+TYPICAL_LOAD_SHARE = {Tier.HOST: 0.02, Tier.DISK: 0.05, Tier.REMOTE: 0.1}
 
 
 class LoadCost:

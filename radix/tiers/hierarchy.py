@@ -12,11 +12,16 @@ again by the next prompt that holds its prefix, and loaded back into a fresh poo
   knows tensors.
 - every change of a store's keys is a ``TierChanged`` to the subscribers (``subscribe``): a
   router told where each page is sends a returning prompt to the replica that can load it.
+- a remote store (``RemoteStore``: Redis), shared by every engine of the model, sits below
+  both: each page the tree gains is copied there (``share``, written by its own thread), so
+  another replica or machine finds it; it is asked after host and disk miss, in one round trip
+  for the rest of a prompt, and read in one.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,8 +32,10 @@ from radix.tiers.cost import LoadCost
 from radix.tiers.disk import DiskStore
 from radix.tiers.host import HostStore
 from radix.tiers.record import EvictedPage, FetchedPage, PageRecord, Tier, TierHit
+from radix.tiers.remote import RemoteStore
 
 PERSIST_CHUNK = 64  # pages read from the pool at a time when writing it down at close
+REMOTE_KNOWN = 100_000  # keys remembered as in the remote store (not written again)
 
 
 class PageIO(Protocol):
@@ -63,10 +70,18 @@ class TierStats:
     load_s_per_page_host: float | None
     load_s_per_page_disk: float | None
     compute_s_per_page: float | None
+    remote: bool = False  # a remote store is configured
+    written_remote: int = 0
+    loaded_remote: int = 0
+    remote_corrupt: int = 0  # values found damaged or foreign (misses)
+    remote_errors: int = 0  # calls that failed (the store then rests, see remote.py)
+    remote_dropped: int = 0  # writes given up (queue full, server failing)
+    load_s_per_page_remote: float | None = None
 
 
 class KVTiers:
-    """The hierarchy under one pool: a host store, a disk store, or both (at least one)."""
+    """The hierarchy under one pool: a host store, a disk store, a remote store (at least
+    one)."""
 
     def __init__(
         self,
@@ -74,15 +89,18 @@ class KVTiers:
         page_size: int,
         host: HostStore | None = None,
         disk: DiskStore | None = None,
+        remote: RemoteStore | None = None,
     ) -> None:
-        if host is None and disk is None:
-            raise ValueError("tiers: give a host store, a disk store or both")
+        if host is None and disk is None and remote is None:
+            raise ValueError("tiers: give a host store, a disk store or a remote store")
         self._io = io
         self._host = host
         self._disk = disk
+        self._remote = remote
+        self._remote_known: OrderedDict[int, None] = OrderedDict()
         self.cost = LoadCost(page_size)
         self._written = {Tier.HOST: 0, Tier.DISK: 0}
-        self._loaded = {Tier.HOST: 0, Tier.DISK: 0}
+        self._loaded = {Tier.HOST: 0, Tier.DISK: 0, Tier.REMOTE: 0}
         self._dropped = 0
         self._skipped_slow = 0
         self._listeners: list[Callable[[TierChanged], None]] = []
@@ -113,6 +131,10 @@ class KVTiers:
     def disk(self) -> DiskStore | None:
         return self._disk
 
+    @property
+    def remote(self) -> RemoteStore | None:
+        return self._remote
+
     def where(self, key: int) -> Tier | None:
         if self._host is not None and key in self._host:
             return Tier.HOST
@@ -125,6 +147,8 @@ class KVTiers:
     def write_back(self, evicted: Sequence[EvictedPage]) -> None:
         """Pages leaving the pool (their ids still hold their KV): copy down the ones not
         below already."""
+        if self._host is None and self._disk is None:
+            return  # only a remote store: written when the tree gained each page
         missing = []
         for page in evicted:
             if self._host is not None and page.key in self._host:
@@ -138,6 +162,28 @@ class KVTiers:
         data = self._io.read_pages([page.page for page in missing])
         for page, blob in zip(missing, data):
             self._store(PageRecord(page.key, page.tokens, blob))
+
+    def share(self, pages: Sequence[EvictedPage]) -> None:
+        """Pages the tree just gained (their pool ids hold their KV): queue a copy of each not
+        known to be in the remote store already (a step waits for the pool read, never for
+        the network)."""
+        remote = self._remote
+        if remote is None or not remote.available:
+            return
+        known = self._remote_known
+        fresh = [page for page in pages if page.key not in known]
+        if not fresh:
+            return
+        for page, blob in zip(fresh, self._io.read_pages([page.page for page in fresh])):
+            if remote.put(PageRecord(page.key, page.tokens, blob)):
+                self._remember_remote(page.key)
+
+    def _remember_remote(self, key: int) -> None:
+        known = self._remote_known
+        known[key] = None
+        known.move_to_end(key)
+        if len(known) > REMOTE_KNOWN:
+            known.popitem(last=False)
 
     def persist(self, pages: Sequence[EvictedPage]) -> None:
         """Before shutdown: every record of the host store and the given pool pages go to
@@ -155,6 +201,8 @@ class KVTiers:
         self._disk.flush()
 
     def _store(self, record: PageRecord) -> None:
+        if self._host is None and self._disk is None:
+            return  # only a remote store: the page went there when the tree gained it
         if self._host is None:
             self._to_disk(record)
             return
@@ -177,8 +225,17 @@ class KVTiers:
         ``seed``) found below the pool, in order, up to the first that is missing or not
         worth loading."""
         hits: list[TierHit] = []
-        for i, key in enumerate(chain_hashes(buf, page_bytes, seed)):
+        keys = chain_hashes(buf, page_bytes, seed)
+        in_remote: list[bool] | None = None
+        for i, key in enumerate(keys):
             tier = self.where(key)
+            if tier is None and self._remote is not None:
+                if in_remote is None:  # one round trip for the rest of the prompt
+                    if not self.cost.pays(Tier.REMOTE):
+                        self._skipped_slow += 1
+                        break
+                    in_remote = [False] * i + self._remote.contains_many(keys[i:])
+                tier = Tier.REMOTE if in_remote[i] else None
             if tier is None:
                 break
             if not self.cost.pays(tier):
@@ -191,13 +248,33 @@ class KVTiers:
         """The records of ``hits``, in order, up to the first that cannot be read, each with
         the seconds its read took."""
         fetched: list[FetchedPage] = []
+        started = time.perf_counter()
+        remote = self._remote_records(hits)
+        remote_s = (time.perf_counter() - started) / max(1, len(remote))
         for hit in hits:
             started = time.perf_counter()
-            record = self._read(hit)
+            if hit.tier is Tier.REMOTE:
+                record, read_s = remote.get(hit.key), remote_s
+            else:
+                record = self._read(hit)
+                read_s = time.perf_counter() - started
             if record is None:
                 break
-            fetched.append(FetchedPage(record, hit.tier, time.perf_counter() - started))
+            fetched.append(FetchedPage(record, hit.tier, read_s))
         return fetched
+
+    def _remote_records(self, hits: Sequence[TierHit]) -> dict[int, PageRecord]:
+        """The remote hits' records, read in one round trip (its time shared among them)."""
+        wanted = [hit for hit in hits if hit.tier is Tier.REMOTE]
+        if not wanted or self._remote is None:
+            return {}
+        records = self._remote.get_many([h.key for h in wanted], [h.tokens for h in wanted])
+        found = {}
+        for hit, record in zip(wanted, records):
+            if record is not None:
+                found[hit.key] = record
+                self._remember_remote(hit.key)
+        return found
 
     def install(self, pages: Sequence[int], fetched: Sequence[FetchedPage]) -> None:
         """Copy fetched records into pool ``pages`` (fresh ones, of the caller's handle);
@@ -246,7 +323,22 @@ class KVTiers:
             load_s_per_page_host=self.cost.load_s_per_page(Tier.HOST),
             load_s_per_page_disk=self.cost.load_s_per_page(Tier.DISK),
             compute_s_per_page=self.cost.compute_s_per_page,
+            **self._remote_stats(),
         )
+
+    def _remote_stats(self) -> dict[str, object]:
+        remote = self._remote
+        if remote is None:
+            return {}
+        return {
+            "remote": True,
+            "written_remote": remote.written,
+            "loaded_remote": self._loaded[Tier.REMOTE],
+            "remote_corrupt": remote.corrupt,
+            "remote_errors": remote.errors,
+            "remote_dropped": remote.dropped,
+            "load_s_per_page_remote": self.cost.load_s_per_page(Tier.REMOTE),
+        }
 
     def check(self) -> None:
         """Each tier within its budget and its counts; host and disk hold disjoint keys."""
@@ -261,7 +353,11 @@ class KVTiers:
     def flush(self) -> None:
         if self._disk is not None:
             self._disk.flush()
+        if self._remote is not None:
+            self._remote.flush()
 
     def close(self) -> None:
         if self._disk is not None:
             self._disk.close()
+        if self._remote is not None:
+            self._remote.close()

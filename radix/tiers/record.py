@@ -11,6 +11,7 @@ class Tier(str, Enum):
 
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"  # a store shared by every engine of the model (radix/tiers/remote.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,11 @@ class KVPool:
         slots: a window layer's go through its map)."""
         if layer in self.window_layers:
             slots = self.window_slots(slots)
+        self.store(layer, slots, k, v)
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` at slots of the layer's own space (a window layer's already mapped: a
+        backend maps a pass's slots once, not per layer)."""
         self.k_flat(layer).index_copy_(0, slots, k.to(self.dtype))
         self.v_flat(layer).index_copy_(0, slots, v.to(self.dtype))
 

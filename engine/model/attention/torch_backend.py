@@ -156,13 +156,14 @@ class TorchAttentionBackend(AttentionBackend):
         fb = self._forward_batch
         if fb is None:
             raise RuntimeError("TorchAttentionBackend.run called before plan")
-        pool.write(layer, fb.slots, k, v)
+        slots, kv_indices = fb.slots, fb.kv_indices
+        if pool.is_window(layer):
+            index = self.window_index(pool, fb)
+            slots, kv_indices = index.slots, index.kv_indices
+        pool.store(layer, slots, k, v)
         k_pages, v_pages = pool.k_cache[layer], pool.v_cache[layer]
         spec = self.layer(layer)
         if spec.softcap or spec.window:
-            kv_indices = fb.kv_indices
-            if pool.is_window(layer):
-                kv_indices = self.window_index(pool, fb).kv_indices
             return self._attend_variant(fb, spec, q, k_pages, v_pages, kv_indices)
         self._scale = spec.scale
         if len(self._groups) == 1 and self._groups[0].contiguous_tokens is not None:

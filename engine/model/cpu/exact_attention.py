@@ -238,8 +238,8 @@ class ExactAttentionBackend(AttentionBackend):
         fb, plan = self._fb, self._native
         if fb is None or plan is None:
             raise RuntimeError("ExactAttentionBackend.run called before plan")
-        _, plan = self._layer_plan(layer, pool, fb, plan)
-        pool.write(layer, fb.slots, k, v)
+        slots, plan = self._layer_plan(layer, pool, fb, plan)
+        pool.store(layer, slots, k, v)
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         qn = q.float().view(-1, hkv * g, d)

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from scheduler import POLICIES, SPECULATION, SchedulerConfig
+from scheduler import POLICIES, SCHEDULING_POLICIES, SPECULATION, SchedulerConfig
 
 BACKENDS = ("torch", "flashinfer")  # attention backends by name ("auto" picks one)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -269,9 +269,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache size in bytes, e.g. 2G (default: 1G or an eighth of the memory on a CPU)")
     add("--max-running", type=int, metavar="N", help="requests running at once (default 64)")
     add("--max-batch-tokens", type=int, metavar="N", help="tokens per step (default 1024)")
-    add("--priority-aging-steps", type=int, metavar="N",
-        help="a waiting priority level gains one step of priority per N scheduler steps "
-        "(default 256; 0: never)")
+    add("--scheduling-policy", choices=SCHEDULING_POLICIES,
+        help="priority: admit by each request's priority (lower first, in [-1000, 1000]); "
+        "fcfs (default, as vLLM): a request with a priority other than 0 is refused")
+    add("--priority-aging-seconds", type=float, metavar="S",
+        help="with --scheduling-policy priority, one step of priority is worth S seconds "
+        "of waiting (default 0.01: no request waits behind better ones that arrived over "
+        "20 s after it; 0: strict priority)")
     add("--policy", choices=POLICIES,
         help="order of waiting requests (default lpm: longest cached prefix first)")
     add("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,

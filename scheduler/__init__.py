@@ -9,7 +9,7 @@ many guesses a step verifies).
 from __future__ import annotations
 
 from scheduler.batch import Batch, BatchEntry
-from scheduler.config import POLICIES, SPECULATION, SchedulerConfig
+from scheduler.config import POLICIES, SCHEDULING_POLICIES, SPECULATION, SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.params import SamplingParams, StructuredOutputsParams
 from scheduler.request import Request, RequestState
@@ -17,6 +17,7 @@ from scheduler.scheduler import Scheduler
 
 __all__ = [
     "POLICIES",
+    "SCHEDULING_POLICIES",
     "SPECULATION",
     "Batch",
     "BatchEntry",

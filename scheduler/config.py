@@ -7,6 +7,10 @@ import numbers
 import msgspec
 
 POLICIES = ("fcfs", "lpm", "dfs-weight")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# The most one step of priority may be worth in waiting (an hour): beyond it aging is off in
+# all but name, which ``priority_aging_seconds=0`` says plainly.
+MAX_PRIORITY_AGING_S = 3600.0
 SPECULATION = ("off", "tree")
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -53,10 +57,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # sampling) compute their rows once (scheduler/shared_rows.py). Exact only where a row does not
     # depend on its pass: the engine turns it off where passes are not batch-invariant.
     share_rows: bool = True
-    # Priority (``SamplingParams.priority``, lower first): a waiting priority level gains one
-    # step of priority per this many scheduler steps its oldest request waited (0: never), so
-    # a low priority is delayed, never starved.
-    priority_aging_steps: int = 256
+    # vLLM's: "fcfs" (the default) refuses a request whose ``SamplingParams.priority`` is not
+    # 0, so no client can place itself ahead of others; "priority" admits by priority (lower
+    # first), then by ``policy``.
+    scheduling_policy: str = "fcfs"
+    # Aging by wall time: one step of priority is worth this many seconds of waiting (since
+    # ``Request.arrival_time``). A request is never overtaken by one that arrived more than
+    # (its priority - the other's) x this later: with 0.01 and priorities in [-1000, 1000],
+    # a flood holds no request for more than 20 s of its arrivals. 0: no aging (strict
+    # priority; a low one may starve).
+    priority_aging_seconds: float = 0.01
 
     def __post_init__(self) -> None:
         _positive_int("page_size", self.page_size)
@@ -70,13 +80,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache: must be a bool, got {self.prefix_cache!r}")
-        if (
-            not isinstance(self.priority_aging_steps, int)
-            or isinstance(self.priority_aging_steps, bool)
-            or self.priority_aging_steps < 0
-        ):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"priority_aging_steps: must be an int >= 0, got {self.priority_aging_steps!r}"
+                f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                f"{self.scheduling_policy!r}"
+            )
+        aging = self.priority_aging_seconds
+        if not _is_real(aging) or not 0.0 <= aging <= MAX_PRIORITY_AGING_S:
+            raise ValueError(
+                f"priority_aging_seconds: must be a number of seconds in "
+                f"[0, {MAX_PRIORITY_AGING_S:g}], got {aging!r}"
             )
         if not isinstance(self.share_rows, bool):
             raise ValueError(f"share_rows: must be a bool, got {self.share_rows!r}")

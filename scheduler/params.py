@@ -22,7 +22,9 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
-PRIORITY_LIMIT = 1 << 31
+# Priorities in [-PRIORITY_LIMIT, PRIORITY_LIMIT]: a bounded number of queue levels, and a
+# bounded wait behind better ones (the gap x ``priority_aging_seconds``).
+PRIORITY_LIMIT = 1000
 
 
 class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,8 +122,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # The output must match this (a JSON schema, a regex, ...): every step's logits are
     # masked to the tokens it allows, and EOS only where it is complete.
     structured_outputs: StructuredOutputsParams | None = None
-    # Lower runs first (vLLM's meaning): admission by priority, then the queue's own order;
-    # preemption takes the worst priority first. Waiting ages it (``priority_aging_steps``).
+    # Lower runs first (vLLM's meaning), in [-1000, 1000]; only where the engine schedules by
+    # priority (``scheduling_policy="priority"``), else it must be 0. Admission by priority,
+    # then the queue's own order; preemption takes the worst priority first. Waiting ages it:
+    # one step of priority per ``priority_aging_seconds`` waited.
     priority: int = 0
 
     def __post_init__(self) -> None:
@@ -200,9 +204,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 f"{self.repetition_penalty!r}"
             )
         self._check_logit_bias()
-        if not _is_int(self.priority) or not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
+        if not _is_int(self.priority) or not -PRIORITY_LIMIT <= self.priority <= PRIORITY_LIMIT:
             raise ValueError(
-                f"priority: must be an integer in [-2**31, 2**31), got {self.priority!r}"
+                f"priority: must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}] (lower "
+                f"runs first), got {self.priority!r}"
             )
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.structured_outputs is not None and not isinstance(

@@ -59,7 +59,7 @@ class Scheduler:
         self._config = config
         self._page_size = config.page_size
         self._queue = PriorityLevels(
-            lambda: make_queue(config.policy, config.page_size), config.priority_aging_steps
+            lambda: make_queue(config.policy, config.page_size), config.priority_aging_seconds
         )
         self._matches = MatchIndex(kv)
         self._resume = ResumeQueue()  # preempted requests, oldest arrival first
@@ -132,6 +132,12 @@ class Scheduler:
             raise ValueError(
                 f"request.params: expected SamplingParams, got {type(request.params).__name__}"
             )
+        if request.params.priority and self._config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority: {request.params.priority} needs priority scheduling "
+                '(scheduling_policy="priority"; the server\'s --scheduling-policy priority); '
+                "this engine schedules first come, first served (priority 0 only)"
+            )
         if not isinstance(request.prompt, list):
             request.prompt = list(request.prompt)
         if not request.prompt:
@@ -171,7 +177,6 @@ class Scheduler:
         if not self.has_work:
             return None
         cfg = self._config
-        self._queue.advance()
         self._preemption_boost = max(0.0, self._preemption_boost - cfg.reserve_decay)
         for request in self._matches.refresh():
             self._queue.update(request, self._matches.get(request).length)

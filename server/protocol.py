@@ -81,7 +81,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
-    # Lower runs first (vLLM's); waiting ages it (the scheduler's priority_aging_steps).
+    # Lower runs first (vLLM's), in [-1000, 1000]; only with --scheduling-policy priority
+    # (else non-zero is a 400); waiting ages it (the scheduler's priority_aging_seconds).
     priority: int | None = None
     # {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": lark} | {"json_object": true}
     structured_outputs: dict[str, Any] | None = None

@@ -96,7 +96,7 @@ def assemble(config: EngineConfig | None, overrides: dict[str, Any]) -> EnginePa
     scheduler_config = scheduler_config_for(config, invariant)
     inputs = PromptPreparer(
         loaded.tokenizer, loaded.config.vocab_size, int(loaded.config.max_position_embeddings),
-        grammars,
+        grammars, priority_scheduling=scheduler_config.scheduling_policy == "priority",
     )
     return EngineParts(
         config=config,

@@ -42,11 +42,16 @@ class PromptPreparer:
     page_size``; a front end's replicas may not have reported theirs yet)."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, max_context: int, grammars: Grammars | None = None
+        self, tokenizer: Any, vocab_size: int, max_context: int, grammars: Grammars | None = None,
+        *, priority_scheduling: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
+        # False (an engine scheduling first come, first served): a priority other than 0 is
+        # refused here, in the caller's thread. True: allowed (a front whose replicas' own
+        # engines check it again).
+        self.priority_scheduling = priority_scheduling
         # Structured outputs are compiled (once per distinct spec) when a request comes in.
         self.grammars = grammars if grammars is not None else Grammars(tokenizer)
 
@@ -60,6 +65,7 @@ class PromptPreparer:
         if single and len(items) != 1:
             raise ValueError(f"prompt: expected one prompt, got a list of {len(items)}")
         params_list = check_params(params, len(items), self.vocab_size)
+        self._check_priority(params_list)
         fields = ["prompt"] if len(items) == 1 else [f"prompts[{i}]" for i in range(len(items))]
         ids = [self._encode(item, field) for item, field in zip(items, fields)]
         return self._with_params(ids, fields, params_list, pool_tokens)
@@ -82,6 +88,7 @@ class PromptPreparer:
         if len(suffixes) == 0:
             raise ValueError("suffixes: empty list; expected at least one suffix")
         params_list = check_params(params, len(suffixes), self.vocab_size)
+        self._check_priority(params_list)
         prompts: list[list[int]] = []
         for i, suffix in enumerate(suffixes):
             field = f"suffixes[{i}]"
@@ -120,6 +127,20 @@ class PromptPreparer:
         if truncate_prompt_tokens is None:
             return ids
         return kept_prompt(ids, truncate_prompt_tokens, self.context(pool_tokens))
+
+    def _check_priority(self, params_list: list[SamplingParams]) -> None:
+        """vLLM's rule: a priority only where the engine schedules by it, so no client can
+        place itself ahead of the others on a server that did not ask for that."""
+        if self.priority_scheduling:
+            return
+        for i, p in enumerate(params_list):
+            if p.priority:
+                field = "params" if len(params_list) == 1 else f"params[{i}]"
+                raise ValueError(
+                    f"{field}.priority: {p.priority} needs priority scheduling, which this "
+                    "engine does not do (start it with scheduling_policy=\"priority\", the "
+                    "server with --scheduling-policy priority); only 0 is accepted"
+                )
 
     def context(self, pool_tokens: int | None) -> int:
         """Prompt + generated tokens one request may hold (``context_limit``)."""

@@ -59,7 +59,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             reserve_margin=0.0,
             speculation=speculation,
             num_speculative_tokens=4,
-            priority_aging_steps=3,  # priority levels reorder as they age
+            scheduling_policy="priority",
+            priority_aging_seconds=0.0005,  # priority levels reorder as they age
         )
         self.requests: list[Request] = []
         self.next_id = 0

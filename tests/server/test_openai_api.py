@@ -124,18 +124,6 @@ def test_streamed_chat_deltas_join_to_the_whole_reply_and_usage_comes_last(
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_a_request_with_a_priority_answers_as_one_without(client: openai.OpenAI) -> None:
-    """vLLM's ``priority`` (lower first) orders admission; it never changes a greedy answer."""
-    answers = [
-        client.chat.completions.create(
-            model=MODEL, messages=ask("Name a colour."),
-            max_tokens=8, temperature=0, extra_body=extra,
-        ).choices[0].message.content
-        for extra in ({}, {"priority": -3}, {"priority": 7})
-    ]
-    assert answers[0] == answers[1] == answers[2]
-
-
 def test_second_request_sharing_a_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:
     tenant = salt()
     first = client.chat.completions.create(

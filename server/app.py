@@ -13,7 +13,8 @@ completions and completions and vLLM's beside them (``openai``: ``chat``, ``comp
 share the checks before the body means anything (``checks``), the request fields
 (``protocol``), the steps of generation (``generation``) and the following of engine
 requests to the client (``streaming``); every request gets one access line (``access_log``)
-unless the config turns it off.
+unless the config turns it off. Before any route, every request meets the ``RequestGuard``
+(``checks``): a ``Host`` naming this server, no other site's ``Origin``, a JSON body.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from starlette.routing import Route
 from engine.api import EngineClient
 from server import probes
 from server.access_log import AccessLog
+from server.checks import RequestGuard
 from server.config import ServerConfig
 from server.errors import APIError, as_api_error, not_found
 from server.inspector import endpoints as inspector
@@ -91,7 +93,10 @@ def create_app(
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error, Exception: _unhandled},
-        middleware=[Middleware(AccessLog)] if state.config.log_requests else [],
+        middleware=[
+            *([Middleware(AccessLog)] if state.config.log_requests else []),
+            Middleware(RequestGuard, allowed_hosts=state.config.allowed_hosts),
+        ],
     )
     app.state.server = state
     return app

@@ -9,6 +9,7 @@ freed); the engine is closed and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine import EngineConfig, build_parser, engine_options, run_command
-from server.config import ServerConfig
+from server.config import LOOPBACK_HOSTS, ServerConfig
 from server.inspector.cli import add_inspect, run_inspect
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -92,6 +93,16 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         "clients only; /inspect/state needs the API key either way)",
     )
     serve.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="Host header names to answer besides loopback's (any port; '*': any). Bound to "
+        "loopback (the default) the server answers only localhost, 127.0.0.1 and [::1] "
+        "otherwise (421: a DNS-rebinding page names its own host); bound elsewhere, any "
+        "name unless this lists them",
+    )
+    serve.add_argument(
         "--log-requests",
         default="on",
         choices=["on", "off"],
@@ -108,11 +119,31 @@ def model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``--host`` binds to loopback only (127.0.0.0/8, ::1, localhost)."""
+    if host.strip().lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """The Host names to answer: the listed ones, plus loopback's when bound to loopback;
+    None (any) when bound elsewhere and none are listed."""
+    listed = list(args.allowed_hosts or [])
+    if is_loopback(args.host):
+        return [*LOOPBACK_HOSTS, *listed]
+    return listed or None
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The ``ServerConfig`` of ``serve``'s flags (it checks itself: ValueError names the
     field)."""
     names = args.served_model_name or [model_name(args.model)]
     return ServerConfig(
+        allowed_hosts=allowed_hosts(args),
         model_name=names[0],
         extra_model_names=names[1:],
         api_key=args.api_key,

@@ -8,6 +8,8 @@ from engine.api import MAX_PIN_TTL_S
 
 MAX_BODY_BYTES = 4 << 20
 MAX_CHOICES = 256
+# The names a loopback-bound server answers to by default (``serve``; any port).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +32,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The cache inspector (/inspect, /inspect/state) answers loopback clients only unless
     # this is set (``serve --inspect-public``): it shows what the cache holds.
     inspect_public: bool = False
+    # The ``Host`` names requests must carry (any port; case-insensitive; "*": any), else 421:
+    # a page on another site whose name was made to resolve to this server (DNS rebinding)
+    # names its own. None: no check (an app mounted elsewhere; ``serve`` on a public
+    # address). ``serve`` on loopback defaults to ``LOOPBACK_HOSTS``; ``--allowed-hosts``.
+    allowed_hosts: list[str] | None = None
     # /v1/responses: where stored responses live (None: ~/.cache/radixkv/responses.sqlite3;
     # ":memory:" keeps them until the process ends), how many and how many bytes at most,
     # and how long a stored conversation's tokens stay pinned in the KV pool (0: not pinned).
@@ -41,6 +48,18 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("model_name: must not be empty")
+        if self.allowed_hosts is not None:
+            hosts = self.allowed_hosts
+            if not isinstance(hosts, list) or not hosts or not all(
+                isinstance(h, str) and h.strip("[]") for h in hosts
+            ):
+                raise ValueError(
+                    f"allowed_hosts: must be a non-empty list of host names, got {hosts!r}"
+                )
+            # As compared: lower case, an IPv6 address without its brackets.
+            msgspec.structs.force_setattr(
+                self, "allowed_hosts", [h.strip().strip("[]").lower() for h in hosts]
+            )
         ttl = self.response_ttl
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not (
             0 <= ttl <= MAX_PIN_TTL_S

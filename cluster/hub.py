@@ -28,7 +28,9 @@ def snapshot_of(replica: str, view: ReplicaView) -> KVSnapshot:
     assert view.epoch is not None, "a replica never snapshotted has nothing to offer"
     host = sorted(h for h, tier in view.below.items() if tier is PageTier.HOST)
     disk = sorted(h for h, tier in view.below.items() if tier is PageTier.DISK)
-    return KVSnapshot(replica, view.epoch, view.seq, sorted(view.hashes), host, disk)
+    return KVSnapshot(
+        replica, view.epoch, view.seq, sorted(view.hashes), host, disk, sorted(view.shared)
+    )
 
 
 class HubPull(msgspec.Struct, frozen=True):

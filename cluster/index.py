@@ -1,5 +1,8 @@
 """The router's view of every replica's cache: page hash -> the replicas holding it, and
-where each holds it (device, host memory, disk).
+where each holds it (device, host memory, disk); and the hashes in the remote store that
+every replica shares (each vouched for by the replicas that announced it), in the order of
+their last use, trimmed to the store's budget: the store evicts its least recently used
+pages without telling anyone, so the index forgets what the store would have dropped.
 
 Built only from the replicas' KV events, so it holds exactly what they hold (as of their
 last batch): its size is bounded by the replicas' KV pools and tiers, and a hash is forgotten
@@ -9,10 +12,11 @@ kept, since it is still mostly right) until a snapshot resyncs it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from cluster.events import KVEventBatch, KVSnapshot, PageTier, tiers_of
+from cluster.events import OWN_TIERS, KVEventBatch, KVSnapshot, PageTier, tiers_of
 
 
 @dataclass
@@ -26,6 +30,8 @@ class ReplicaView:
     stale: bool = True  # no snapshot yet, or a batch went missing
     load: int = 0
     below: dict[int, PageTier] = field(default_factory=dict)
+    shared: set[int] = field(default_factory=set)  # hashes it says are in the remote store
+    shared_capacity: int = 0  # pages that store keeps at most (0: unbounded or unknown)
 
     def where(self, h: int) -> PageTier | None:
         if h not in self.hashes:
@@ -34,7 +40,7 @@ class ReplicaView:
 
     def tier_counts(self) -> dict[PageTier, int]:
         """Hashes held, by their place."""
-        counts = dict.fromkeys(PageTier, 0)
+        counts = dict.fromkeys(OWN_TIERS, 0)
         for tier in self.below.values():
             counts[tier] += 1
         counts[PageTier.DEVICE] = len(self.hashes) - len(self.below)
@@ -47,6 +53,8 @@ class KVIndex:
     def __init__(self) -> None:
         self._replicas: dict[str, ReplicaView] = {}
         self._holders: dict[int, set[str]] = {}
+        # remote-store hash -> replicas vouching for it, least recently used first
+        self._shared: OrderedDict[int, set[str]] = OrderedDict()
         self.gaps = 0  # batches that arrived out of sequence
         self.resyncs = 0
 
@@ -67,6 +75,10 @@ class KVIndex:
             return False
         self._add(batch.replica, view, batch.stored, tiers_of(batch))
         self._drop(batch.replica, view, batch.removed)
+        self._unvouch(batch.replica, view, batch.unshared)
+        self._vouch(batch.replica, view, batch.shared)
+        view.shared_capacity = batch.shared_capacity
+        self._trim_shared()
         view.seq = batch.seq
         return True
 
@@ -74,7 +86,11 @@ class KVIndex:
         """Replace the replica's view with ``snapshot``; batches after its ``seq`` follow."""
         view = self._replicas.setdefault(snapshot.replica, ReplicaView())
         self._drop(snapshot.replica, view, list(view.hashes))
+        self._unvouch(snapshot.replica, view, list(view.shared))
         self._add(snapshot.replica, view, snapshot.hashes, tiers_of(snapshot))
+        self._vouch(snapshot.replica, view, snapshot.shared)
+        view.shared_capacity = snapshot.shared_capacity
+        self._trim_shared()
         view.epoch, view.seq, view.stale = snapshot.epoch, snapshot.seq, False
         self.resyncs += 1
 
@@ -82,6 +98,7 @@ class KVIndex:
         view = self._replicas.pop(replica, None)
         if view is not None:
             self._drop(replica, view, list(view.hashes))
+            self._unvouch(replica, view, list(view.shared))
 
     def _add(
         self,
@@ -112,6 +129,36 @@ class KVIndex:
                 if not owners:
                     del holders[h]
 
+    def _vouch(self, replica: str, view: ReplicaView, hashes: Iterable[int]) -> None:
+        """``hashes`` were just used in the store, in this order: the most recent last."""
+        shared = self._shared
+        for h in hashes:
+            view.shared.add(h)
+            shared.setdefault(h, set()).add(replica)
+            shared.move_to_end(h)
+
+    def _trim_shared(self) -> None:
+        """Forget the least recently used store pages beyond the store's budget (the largest
+        any replica reports; none reported: unbounded)."""
+        capacity = max((v.shared_capacity for v in self._replicas.values()), default=0)
+        shared = self._shared
+        if not capacity:
+            return
+        while len(shared) > capacity:
+            h, owners = shared.popitem(last=False)
+            for replica in owners:
+                self._replicas[replica].shared.discard(h)
+
+    def _unvouch(self, replica: str, view: ReplicaView, hashes: Iterable[int]) -> None:
+        shared = self._shared
+        for h in hashes:
+            view.shared.discard(h)
+            owners = shared.get(h)
+            if owners is not None:
+                owners.discard(replica)
+                if not owners:
+                    del shared[h]
+
     # --------------------------------------------------------------------- queries
 
     def prefix_pages(self, hashes: Sequence[int]) -> dict[str, int]:
@@ -133,12 +180,26 @@ class KVIndex:
                 break
         return depth
 
+    def shared_pages(self, hashes: Sequence[int]) -> int:
+        """How many leading pages of the chain ``hashes`` the remote store holds (as far as
+        the replicas know)."""
+        n = 0
+        shared = self._shared
+        while n < len(hashes) and hashes[n] in shared:
+            n += 1
+        return n
+
     def prefix_tiers(
-        self, hashes: Sequence[int], below: bool = True
+        self, hashes: Sequence[int], below: bool = True, replicas: Iterable[str] = ()
     ) -> dict[str, list[PageTier]]:
         """For each replica holding the first page: the places of its leading run of
         ``hashes``. ``below=False`` counts device pages only (the run ends at the first page
-        not in the pool: what a router blind to the tiers sees)."""
+        not in the pool: what a router blind to the tiers sees). With ``below``, a page the
+        remote store holds is held by every replica (the index's and ``replicas``) at
+        ``PageTier.REMOTE`` where it holds none better, as its engine looks it up."""
+        if below and (shared := self.shared_pages(hashes)):
+            return {r: self._run_with_shared(r, hashes, shared)
+                    for r in {*self._replicas, *replicas}}
         runs: dict[str, list[PageTier]] = {}
         for replica, n in self.prefix_pages(hashes).items():
             places = self._replicas[replica].below
@@ -149,6 +210,23 @@ class KVIndex:
             if run:
                 runs[replica] = run
         return runs
+
+    def _run_with_shared(
+        self, replica: str, hashes: Sequence[int], shared: int
+    ) -> list[PageTier]:
+        """The replica's run over ``hashes`` whose first ``shared`` pages the remote store
+        holds: each page at the replica's own place, else remote, up to the first missing."""
+        view = self._replicas.get(replica)
+        own, below = (view.hashes, view.below) if view is not None else (set(), {})
+        run: list[PageTier] = []
+        for i, h in enumerate(hashes):
+            if h in own:
+                run.append(below.get(h, PageTier.DEVICE))
+            elif i < shared:
+                run.append(PageTier.REMOTE)
+            else:
+                break
+        return run
 
     def replicas(self) -> list[str]:
         return list(self._replicas)
@@ -170,6 +248,11 @@ class KVIndex:
         """Distinct hashes held (the index's memory is linear in this and in the views)."""
         return len(self._holders)
 
+    @property
+    def num_shared(self) -> int:
+        """Distinct hashes some replica says are in the remote store."""
+        return len(self._shared)
+
     def check(self) -> None:
         """The two directions agree: a hash lists exactly the replicas whose view holds it."""
         for h, owners in self._holders.items():
@@ -182,3 +265,8 @@ class KVIndex:
             stray = view.below.keys() - view.hashes
             assert not stray, f"{replica}: {len(stray)} hashes placed below but not held"
             assert PageTier.DEVICE not in view.below.values(), f"{replica}: device as below"
+            assert PageTier.REMOTE not in view.below.values(), f"{replica}: remote as its own"
+            for h in view.shared:
+                assert replica in self._shared.get(h, ()), f"{replica} not vouching {h:#x}"
+        vouches = sum(len(view.shared) for view in self._replicas.values())
+        assert vouches == sum(len(owners) for owners in self._shared.values())

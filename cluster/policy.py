@@ -7,8 +7,11 @@ replicas' current loads (requests queued or running), and names one replica.
 - ``CacheAware`` (ours): the replica whose cached prefix of the prompt's page-hash chain saves
   the most recomputation, from the replicas' KV events (``KVIndex``): a page in the pool
   counts whole, one in host memory or on disk less its load (``tier_cost.TierCost``), so for
-  one prefix device > host > disk > none; ties go to the less loaded, then to the one sent
-  fewer requests lately, then to the one holding fewer pool pages. A prefix taking a
+  one prefix device > host > disk > none. A page some replica knows to be in the remote store
+  (``--kv-remote``) is held by every replica at the remote tier's cost, and replicas within
+  that cost of the best (``remote`` x the shared pages) all count as holding the prefix: a
+  shared document never outweighs a queue. Among holders, the less loaded wins, then the one
+  saving more, then the one sent fewer requests lately, then the one holding fewer pool pages. A prefix taking a
   share ``s`` of the recent requests (decayed counts, half-life ``window_s``) may live on
   ``ceil(s * N * (1 + spread))`` replicas: while it has fewer copies and a replica without
   it is less busy than all that have it, the request goes there and makes one more copy
@@ -170,7 +173,7 @@ class CacheAware:
     ) -> dict[str, list[PageTier]]:
         """Where each replica holds the leading pages of ``hashes`` (per the index; below the
         pool only with a ``tier_cost``); pages it was just sent (pending) count as in its pool."""
-        runs = self.index.prefix_tiers(hashes, below=self.tier_cost is not None)
+        runs = self.index.prefix_tiers(hashes, below=self.tier_cost is not None, replicas=replicas)
         now = self._clock()
         pending = self._pending
         while pending:
@@ -202,8 +205,16 @@ class CacheAware:
         def rank(r: str) -> tuple[int, float, int]:
             return loads[r], recent[r], self.index.held(r)
 
+        def pick(r: str) -> tuple[int, float, float, int]:
+            """Among holders (their savings within the store's cost of each other): the
+            less loaded, then the one saving more (its own copy beats the store's)."""
+            return loads[r], -saved[r], recent[r], self.index.held(r)
+
         best = max(saved.values())
-        holders = [r for r in replicas if saved[r] == best]
+        # Every replica can load the shared pages: being within their remote cost of the best
+        # is holding the prefix (the replicas then differ by a few percent of its compute).
+        slack = cost.remote * self.index.shared_pages(hashes) if self.tier_cost else 0.0
+        holders = [r for r in replicas if saved[r] >= best - slack - 1e-9]
         # The request loads every cached prefix it extends (a session's next turn loads its
         # tenant's system prompt too): count it under each, decide on the deepest.
         total = self._decayed(self._total, now) + 1.0
@@ -219,12 +230,12 @@ class CacheAware:
             copies = math.ceil(share * len(replicas) * (1 + self.spread))
             cap = sum(recent.values()) / len(replicas) * (1 + self.spread) + 1.0
             if len(holders) < copies or all(recent[r] > cap for r in holders):
-                newcomer = min((r for r in replicas if saved[r] < best), key=rank)
+                newcomer = min((r for r in replicas if r not in holders), key=rank)
                 if rank(newcomer) < min(rank(r) for r in holders):
                     holders = [newcomer]
                     self.copied += 1
-        low = min(rank(r) for r in holders)
-        chosen = self._rng.choice([r for r in holders if rank(r) == low])
+        low = min(pick(r) for r in holders)
+        chosen = self._rng.choice([r for r in holders if pick(r) == low])
         least = min(loads.values())
         if (
             loads[chosen] - least > self.balance_threshold

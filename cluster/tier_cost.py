@@ -2,7 +2,8 @@
 
 A page in the pool (device) saves its whole recomputation; a page in host memory or on disk
 saves it less the load (``radix.tiers.cost``: a page costs a few percent of its recomputation
-to load, disk more than host). So a replica holding a prefix below the pool scores below one
+to load, disk more than host; one in the remote store, which every replica can load, more
+again). So a replica holding a prefix below the pool scores below one
 holding it on the device and above one without it, and a deeper run below can outweigh a
 shallower one on the device, as it would in prefill time.
 """
@@ -23,9 +24,10 @@ class TierCost(msgspec.Struct, frozen=True):
 
     host: float = TYPICAL_LOAD_SHARE[Tier.HOST]
     disk: float = TYPICAL_LOAD_SHARE[Tier.DISK]
+    remote: float = TYPICAL_LOAD_SHARE[Tier.REMOTE]
 
     def __post_init__(self) -> None:
-        for name in ("host", "disk"):
+        for name in ("host", "disk", "remote"):
             share = getattr(self, name)
             if not 0.0 <= share < 1.0:
                 raise ValueError(f"{name}: must be in [0, 1), got {share!r}")
@@ -34,11 +36,18 @@ class TierCost(msgspec.Struct, frozen=True):
 
     def saved(self, run: Sequence[PageTier]) -> float:
         """Recomputations (in pages) a request saves by reusing ``run``."""
-        host = disk = 0
+        host = disk = remote = 0
         for tier in run:
             if tier is PageTier.HOST:
                 host += 1
             elif tier is PageTier.DISK:
                 disk += 1
-        device = len(run) - host - disk
-        return device + host * (1.0 - self.host) + disk * (1.0 - self.disk)
+            elif tier is PageTier.REMOTE:
+                remote += 1
+        device = len(run) - host - disk - remote
+        return (
+            device
+            + host * (1.0 - self.host)
+            + disk * (1.0 - self.disk)
+            + remote * (1.0 - self.remote)
+        )

@@ -52,5 +52,12 @@ class RedisClient:
             pipe.set(key, value)
         pipe.execute()
 
+    def capacity_bytes(self) -> int | None:
+        """The server's ``maxmemory`` (None: unbounded, or the server cannot be asked)."""
+        try:
+            return int(self._redis.info("memory").get("maxmemory", 0)) or None
+        except Exception:  # noqa: BLE001 - down at start: the tier is misses until it is up
+            return None
+
     def close(self) -> None:
         self._redis.close()

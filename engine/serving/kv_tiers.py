@@ -24,8 +24,10 @@ from engine.model.platform import Platform
 from engine.serving.kv_remote import RedisClient
 from radix.tiers import DiskStore, HostStore, KVTiers, RemoteStore
 from radix.tiers.disk import ensure_directory
+from radix.tokens import TOKEN_BYTES
 
 STORE_FORMAT = 1
+REMOTE_VALUE_OVERHEAD = 128  # bytes a value costs Redis beyond its own: key, header, entry
 
 
 def build_tiers(
@@ -46,7 +48,14 @@ def build_tiers(
         disk = DiskStore(directory, kv_disk_bytes, key)
         disk.write_manifest(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     if config.kv_remote:
-        remote = RemoteStore(RedisClient(config.kv_remote), key)
+        client = RedisClient(config.kv_remote)
+        budget = client.capacity_bytes()
+        page_bytes = KVPool.bytes_per_page(
+            pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype
+        )
+        value_bytes = page_bytes + pool.page_size * TOKEN_BYTES + REMOTE_VALUE_OVERHEAD
+        capacity = budget // value_bytes if budget else None
+        remote = RemoteStore(client, key, capacity_pages=capacity)
     if host is None and disk is None and remote is None:
         return None
     return KVTiers(pool, pool.page_size, host, disk, remote)

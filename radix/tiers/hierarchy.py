@@ -15,7 +15,10 @@ again by the next prompt that holds its prefix, and loaded back into a fresh poo
 - a remote store (``RemoteStore``: Redis), shared by every engine of the model, sits below
   both: each page the tree gains is copied there (``share``, written by its own thread), so
   another replica or machine finds it; it is asked after host and disk miss, in one round trip
-  for the rest of a prompt, and read in one.
+  for the rest of a prompt, and read in one. The keys this engine knows to be there (written
+  or read by it; a key found missing is forgotten: the store evicts by its own policy) are
+  announced as ``TierChanged(Tier.REMOTE, ...)``, so a router counts them held by every
+  replica of the store.
 """
 
 from __future__ import annotations
@@ -174,16 +177,32 @@ class KVTiers:
         fresh = [page for page in pages if page.key not in known]
         if not fresh:
             return
+        queued = []
         for page, blob in zip(fresh, self._io.read_pages([page.page for page in fresh])):
             if remote.put(PageRecord(page.key, page.tokens, blob)):
-                self._remember_remote(page.key)
+                queued.append(page.key)
+        self._know_remote(queued)
 
-    def _remember_remote(self, key: int) -> None:
+    def _know_remote(self, keys: Sequence[int]) -> None:
+        """``keys`` are in the remote store, just written or read (the store's LRU keeps
+        them longest): remember the most recent ``REMOTE_KNOWN`` and announce them all, so
+        a follower orders the store's pages by their last use as the store does."""
         known = self._remote_known
-        known[key] = None
-        known.move_to_end(key)
-        if len(known) > REMOTE_KNOWN:
-            known.popitem(last=False)
+        for key in keys:
+            known[key] = None
+            known.move_to_end(key)
+        removed = []
+        while len(known) > REMOTE_KNOWN:
+            removed.append(known.popitem(last=False)[0])
+        if keys or removed:
+            self._announce(Tier.REMOTE, keys, removed)
+
+    def _forget_remote(self, keys: Sequence[int]) -> None:
+        """``keys`` were found missing in the remote store (its policy evicted them)."""
+        known = self._remote_known
+        removed = [key for key in keys if known.pop(key, 0) is None]
+        if removed:
+            self._announce(Tier.REMOTE, (), removed)
 
     def persist(self, pages: Sequence[EvictedPage]) -> None:
         """Before shutdown: every record of the host store and the given pool pages go to
@@ -234,7 +253,7 @@ class KVTiers:
                     if not self.cost.pays(Tier.REMOTE):
                         self._skipped_slow += 1
                         break
-                    in_remote = [False] * i + self._remote.contains_many(keys[i:])
+                    in_remote = [False] * i + self._ask_remote(keys[i:])
                 tier = Tier.REMOTE if in_remote[i] else None
             if tier is None:
                 break
@@ -243,6 +262,17 @@ class KVTiers:
                 break
             hits.append(TierHit(key, buf[i * page_bytes : (i + 1) * page_bytes], tier))
         return hits
+
+    def _ask_remote(self, keys: Sequence[int]) -> list[bool]:
+        """Which of ``keys`` the remote store holds; known keys it answered missing are
+        forgotten (an answer that did not come is all misses and forgets nothing)."""
+        assert self._remote is not None
+        held = self._remote.contains_many(keys)
+        if held is None:
+            return [False] * len(keys)
+        known = self._remote_known
+        self._forget_remote([key for key, there in zip(keys, held) if not there and key in known])
+        return held
 
     def fetch(self, hits: Sequence[TierHit]) -> list[FetchedPage]:
         """The records of ``hits``, in order, up to the first that cannot be read, each with
@@ -269,11 +299,11 @@ class KVTiers:
         if not wanted or self._remote is None:
             return {}
         records = self._remote.get_many([h.key for h in wanted], [h.tokens for h in wanted])
-        found = {}
-        for hit, record in zip(wanted, records):
-            if record is not None:
-                found[hit.key] = record
-                self._remember_remote(hit.key)
+        if records is None:
+            return {}
+        found = {hit.key: record for hit, record in zip(wanted, records) if record is not None}
+        self._forget_remote([hit.key for hit in wanted if hit.key not in found])
+        self._know_remote(list(found))
         return found
 
     def install(self, pages: Sequence[int], fetched: Sequence[FetchedPage]) -> None:

@@ -54,14 +54,19 @@ class RemoteStore:
         store_key: str,
         retry_after_s: float = RETRY_AFTER_S,
         queue_pages: int = QUEUE_PAGES,
+        capacity_pages: int | None = None,
     ) -> None:
         if not store_key or not all(c.isalnum() or c in "-_." for c in store_key):
             raise ValueError(f"store_key: must be a non-empty name, got {store_key!r}")
         self._client = client
+        # Pages the store keeps at most (its own budget; None: unbounded or unknown): a router
+        # trusts only that many of the most recently announced pages.
+        self.capacity_pages = capacity_pages
         self._prefix = f"radixkv:{store_key}:"
         self._retry_after_s = retry_after_s
         self._closed_until = 0.0  # monotonic time before which the server is not asked
         self._lock = threading.Lock()  # the counters and the breaker, shared with the writer
+        self._drained = threading.Condition(self._lock)  # notified when nothing is queued
         self._queue: queue.Queue[PageRecord | None] = queue.Queue(maxsize=queue_pages)
         self._queued: set[int] = set()  # keys waiting in the queue (no second copy)
         self.written = 0
@@ -95,25 +100,33 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ reads
 
-    def contains_many(self, keys: Sequence[int]) -> list[bool]:
-        """Which of ``keys`` the store holds (all False while it is closed or failing)."""
-        if not keys or not self.available:
-            return [False] * len(keys)
+    def contains_many(self, keys: Sequence[int]) -> list[bool] | None:
+        """Which of ``keys`` the store holds; None (no answer: all misses) while it is closed
+        or failing."""
+        if not keys:
+            return []
+        if not self.available:
+            return None
         try:
             return list(self._client.exists_many([self.key_of(k) for k in keys]))
         except Exception as exc:  # noqa: BLE001 - any failure of the server is a miss
             self._failed("a lookup", exc)
-            return [False] * len(keys)
+            return None
 
-    def get_many(self, keys: Sequence[int], tokens: Sequence[bytes]) -> list[PageRecord | None]:
-        """The records of ``keys`` whose value is whole, undamaged and of ``tokens``."""
-        if not keys or not self.available:
-            return [None] * len(keys)
+    def get_many(
+        self, keys: Sequence[int], tokens: Sequence[bytes]
+    ) -> list[PageRecord | None] | None:
+        """The records of ``keys`` whose value is whole, undamaged and of ``tokens`` (None
+        where not); None (no answer) while the store is closed or failing."""
+        if not keys:
+            return []
+        if not self.available:
+            return None
         try:
             values = self._client.get_many([self.key_of(k) for k in keys])
         except Exception as exc:  # noqa: BLE001
             self._failed("a read", exc)
-            return [None] * len(keys)
+            return None
         out: list[PageRecord | None] = []
         for key, want, raw in zip(keys, tokens, values):
             record = None if raw is None else decode_record(bytes(raw), key)
@@ -145,6 +158,8 @@ class RemoteStore:
             with self._lock:
                 self._queued.discard(record.key)
                 self.dropped += 1
+                if not self._queued:
+                    self._drained.notify_all()
             return False
         return True
 
@@ -180,16 +195,13 @@ class RemoteStore:
         finally:
             with self._lock:
                 self._queued.difference_update(r.key for r in batch)
+                if not self._queued:
+                    self._drained.notify_all()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait (at most ``timeout_s``) until the queued writes are done; True if they are."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._queued:
-                    return True
-            time.sleep(0.005)
-        return False
+        with self._drained:
+            return self._drained.wait_for(lambda: not self._queued, timeout_s)
 
     def close(self) -> None:
         """Send what is queued (briefly), stop the writer, close the connection."""

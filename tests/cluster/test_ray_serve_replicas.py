@@ -472,3 +472,50 @@ def test_replicas_each_keep_a_disk_tier_of_their_own_and_follow_ups_find_it(
         ]
     finally:
         assert server.stop(timeout=90) == 0, server.output()[-3000:]
+
+
+def test_replicas_share_one_remote_tier_and_answer_as_one_engine(
+    tmp_path: Any, local: Engine
+) -> None:
+    """--kv-remote with replicas: every replica reads and writes one Redis server, so a
+    document one replica computed is loaded by the other when the router (which counts the
+    store's pages held by every replica) sends it there, and the answers stay greedy's."""
+    from tests.engine.redis_server import redis_server
+
+    with redis_server(tmp_path) as (redis_url, _):
+        try:
+            server = ServerProcess(
+                "--replicas", "2", "--threads", "1", "--num-pages", "96",
+                "--kv-remote", redis_url, module="cluster.cli", ready_timeout=240.0,
+            )
+        except RuntimeError as exc:
+            pytest.skip(f"Ray Serve could not start here: {str(exc)[-2000:]}")
+        try:
+            _deployed(server)
+            api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+            document = " ".join(
+                f"Aisle {i} holds {item}." for i, item in enumerate(
+                    ("hammers", "nails", "screws", "glue", "paint", "brushes", "rope", "chain",
+                     "locks", "hinges", "tape", "wire", "pipes", "valves", "bulbs", "fuses") * 3
+                )
+            )
+            # Two questions, one after the other: the second goes to the replica without the
+            # document (within the remote cost of its holder, and sent fewer requests lately)
+            # and loads it from Redis; a router blind to the store keeps both on the holder.
+            prompts = [f"{SYSTEM}\n{document}\nQuestion {q}: where is item {q}?" for q in range(2)]
+            texts, cached = [], []
+            for prompt in prompts:
+                reply = api.completions.create(
+                    model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0
+                )
+                texts.append(reply.choices[0].text)
+                cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+                time.sleep(1.0)  # the remote writes and the KV events reach the router
+            expected = local.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))
+            assert texts == [output.text for output in expected]
+            assert cached[0] == 0 and all(c >= 160 for c in cached[1:]), cached
+            stats = replicas(server.url)
+            assert all(s["counters"]["requests"] > 0 for s in stats.values()), stats
+            assert sum(s["tiers"]["loaded_remote"] for s in stats.values()) > 0, stats
+        finally:
+            assert server.stop(timeout=90) == 0, server.output()[-3000:]

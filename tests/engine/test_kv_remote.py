@@ -63,8 +63,8 @@ def test_a_dead_server_is_a_miss_and_is_tried_again_later(tmp_path: Path) -> Non
         proc.kill()
         proc.wait()
         started = time.monotonic()
-        assert store.contains_many([records[0].key]) == [False]
-        assert store.contains_many([records[0].key]) == [False]  # closed: not even asked
+        assert store.contains_many([records[0].key]) is None
+        assert store.contains_many([records[0].key]) is None  # closed: not even asked
         assert time.monotonic() - started < 2.0
         assert store.errors == 1 and not store.available
         assert not store.put(records[1]) and store.dropped == 1
@@ -118,3 +118,34 @@ def test_an_unreachable_server_costs_misses_not_requests(
 def test_kv_remote_must_be_a_redis_url() -> None:
     with pytest.raises(ValueError, match="kv_remote: expected redis://"):
         Engine(kv_remote="http://localhost:6379")
+
+
+def test_the_stores_own_budget_evicts_pages_and_evicted_pages_are_misses(
+    make_engine: Any, loaded_fp32: Any, tmp_path: Path
+) -> None:
+    """Redis over ``maxmemory`` drops its least recently used pages (allkeys-lru): the writer
+    never fails, a page gone is a miss, and the answers stay those of no cache."""
+    documents = [
+        f"Report {d}: " + " ".join(f"item {d}-{i} weighs {i * 3 + d} grams." for i in range(40))
+        for d in range(4)
+    ]
+    prompts = [f"{doc}\nWhich item is heaviest?" for doc in documents]
+    with Engine(model=loaded_fp32, num_pages=256, prefix_cache=False) as plain:
+        want = [out.token_ids for out in plain.generate(prompts, greedy(NEW))]
+    with redis_server(tmp_path, maxmemory="6mb") as (url, _):
+        first = make_engine(num_pages=128, kv_remote=url)
+        for prompt, tokens in zip(prompts, want):  # ~20 pages of ~0.7 MB each per document
+            assert first.generate([prompt], greedy(NEW))[0].token_ids == tokens
+            assert first._loop._kv.tiers.remote.flush()
+        remote = first._loop._kv.tiers.remote
+        assert remote.errors == 0 and remote.dropped == 0 and remote.written >= 60
+        info = RedisClient(url)._redis.info()
+        assert info["evicted_keys"] > 0 and info["used_memory"] <= 7 << 20, info
+        second = make_engine(num_pages=128, kv_remote=url)
+        outs = second.generate(prompts, greedy(NEW))
+        assert [o.token_ids for o in outs] == want
+        stats = second.stats()
+        assert stats.tiers.remote_errors == 0
+        # ~8 pages fit: the oldest document cannot have survived whole
+        assert outs[0].cached_tokens < outs[0].prompt_tokens - 16, outs[0]
+        assert_idle_accounting(second)

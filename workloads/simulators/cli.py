@@ -14,6 +14,7 @@ grouping: a prompt page hits if any earlier request (in submission order) comput
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -60,6 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--capacities", nargs="*", type=float, default=[1.0, 0.25, 0.1],
         help="pool size as fractions of each trace's working set (pages)",
+    )
+    parser.add_argument(
+        "--remote-capacity", type=float, nargs="+", default=[0.0],
+        help="KV tiers: one remote store every replica shares, as a fraction of the working "
+        "set (0: none); several values run each",
     )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-batch-tokens", type=int, default=None)
@@ -111,6 +117,11 @@ def cluster_main(argv: list[str] | None = None) -> None:
         "--disk-capacity", type=float, default=0.0,
         help="KV tiers: disk under each pool (files on tmpfs), likewise",
     )
+    parser.add_argument(
+        "--remote-capacity", type=float, nargs="+", default=[0.0],
+        help="KV tiers: one remote store every replica shares, as a fraction of the working "
+        "set (0: none); several values run each",
+    )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--balance-threshold", type=int, default=BALANCE_THRESHOLD)
     parser.add_argument(
@@ -130,7 +141,7 @@ def cluster_main(argv: list[str] | None = None) -> None:
             pages = pool_pages(stats, args.capacity, n)
             host = int(stats.working_set_pages * args.host_capacity / n)
             disk = int(stats.working_set_pages * args.disk_capacity / n)
-            for router in routers:
+            for remote_capacity, router in itertools.product(args.remote_capacity, routers):
                 result = simulate_cluster(
                     trace,
                     router,
@@ -142,6 +153,7 @@ def cluster_main(argv: list[str] | None = None) -> None:
                     pending_ttl=args.pending_ttl,
                     host_pages=host,
                     disk_pages=disk,
+                    remote_pages=int(stats.working_set_pages * remote_capacity),
                 )
                 results.append(result)
                 print(format_cluster_table([result]).splitlines()[-1], flush=True)

@@ -12,7 +12,10 @@ one step with the scripted model's replies. The ideal hit rate is one infinite c
 With ``host_pages``/``disk_pages`` each replica's pool has KV tiers under it (``tiers``): the
 events then say where each page is, and a later turn's prompt is counted by where its cached
 part came from (pool, or loaded from below) and by whether it went to a replica holding the
-most of it (``routing_accuracy``, from the replicas' own state at routing time).
+most of it (``routing_accuracy``, from the replicas' own state at routing time). With
+``remote_pages`` every replica also has the remote tier over one store of that many pages
+(``tiers.SharedPages``), written as trees gain pages, flushed every step; the router counts
+its pages held by every replica at the remote cost.
 
     python -m workloads.simulate --replicas 2 8 64 --router all --traces tenants rag_corpus
     python -m workloads.simulate --replicas 2 4 --traces think_chat --capacity 0.03 \
@@ -90,6 +93,9 @@ class ClusterResult:
     written_below: int = 0  # pages written to host memory or disk, all replicas
     loaded_below: int = 0  # pages loaded back from host memory or disk
     dropped_below: int = 0  # pages that fell off the last tier
+    remote_pages: int = 0  # the shared store's budget (0: no remote tier)
+    remote_hit_rate: float = 0.0  # prompt tokens loaded from the shared store / prompt tokens
+    loaded_remote: int = 0  # pages loaded from the shared store, all replicas
 
 
 def make_router(
@@ -136,10 +142,12 @@ def simulate_cluster(
     balance_window: float = BALANCE_WINDOW_STEPS,
     host_pages: int = 0,
     disk_pages: int = 0,
+    remote_pages: int = 0,
     **config: object,
 ) -> ClusterResult:
     """Run ``trace`` to completion on ``replicas`` replicas of ``pages_per_replica`` pages,
-    each over ``host_pages`` of host memory and ``disk_pages`` of disk (0: no such tier).
+    each over ``host_pages`` of host memory and ``disk_pages`` of disk, all over one remote
+    store of ``remote_pages`` (0: no such tier).
 
     ``keep``, when given, receives the router, the index, the (name, scheduler, publisher)
     triples and each later turn's (session, turn, chosen replica, true runs by replica), for
@@ -151,7 +159,7 @@ def simulate_cluster(
     scheds: dict[str, Scheduler] = {}
     publishers: dict[str, KVEventPublisher] = {}
     index = KVIndex()
-    below = SimTiers(page_size, host_pages, disk_pages)
+    below = SimTiers(page_size, host_pages, disk_pages, remote_pages)
     for i, name in enumerate(names):
         kv = KVManager(
             pages_per_replica, page_size, sched_config.prefix_cache, tiers=below.make(name)
@@ -186,6 +194,7 @@ def simulate_cluster(
     def start_step(step: int) -> None:
         nonlocal clock
         clock = step
+        below.settle()
         drain()
 
     decisive = accurate = 0
@@ -251,6 +260,11 @@ def simulate_cluster(
         written_below=sum(t.written_host + t.written_disk for t in tier_stats),
         loaded_below=sum(t.loaded_host + t.loaded_disk for t in tier_stats),
         dropped_below=sum(t.dropped for t in tier_stats),
+        remote_pages=remote_pages,
+        remote_hit_rate=(
+            sum(c.cached_tokens_remote for c in counters) / prompt_tokens if prompt_tokens else 0.0
+        ),
+        loaded_remote=sum(t.loaded_remote for t in tier_stats),
     )
 
 
@@ -275,15 +289,16 @@ def check_accounted(index: KVIndex, name: str, kv: KVManager) -> None:
 
 def format_table(results: Sequence[ClusterResult]) -> str:
     header = (
-        f"{'trace':<12}{'N':>4}{'router':>23}{'pages/rep':>10}{'requests':>9}{'hit':>7}"
-        f"{'ideal':>7}{'hit/ideal':>10}{'imbalance':>10}{'balanced':>9}{'steps':>7}"
-        f"{'evicted':>9}{'index max':>10}{'wall s':>8}"
+        f"{'trace':<12}{'N':>4}{'router':>23}{'pages/rep':>10}{'remote':>8}{'requests':>9}"
+        f"{'hit':>7}{'of it remote':>13}{'ideal':>7}{'hit/ideal':>10}{'imbalance':>10}"
+        f"{'balanced':>9}{'steps':>7}{'evicted':>9}{'index max':>10}{'wall s':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(
             f"{r.trace:<12}{r.replicas:>4}{r.router:>23}{r.pages_per_replica:>10}"
-            f"{r.requests:>9}{r.hit_rate:>7.3f}{r.ideal_hit_rate:>7.3f}{r.hit_ratio:>10.3f}"
+            f"{r.remote_pages:>8}{r.requests:>9}{r.hit_rate:>7.3f}{r.remote_hit_rate:>13.3f}"
+            f"{r.ideal_hit_rate:>7.3f}{r.hit_ratio:>10.3f}"
             f"{r.imbalance:>10.2f}{r.balanced:>9}{r.steps:>7}{r.evicted_pages:>9}"
             f"{r.index_max_hashes:>10}{r.wall_s:>8.2f}"
         )

@@ -161,3 +161,46 @@ def test_with_tiers_every_page_is_accounted_for_and_the_table_shows_later_turns(
     ])
     out = capsys.readouterr().out
     assert "tier hit" in out and "to holder" in out and POOL_ONLY in out
+
+
+def test_a_shared_remote_store_serves_each_prefix_to_every_replica_once_computed() -> None:
+    """Pools too small for the trace's system prompts: without a remote store each replica
+    computes every prompt it is sent; with one, a prompt computed on any replica is loaded by
+    the others, the router (counting the store's pages held by all) still balances, and the
+    store's index entries are vouched for by the replicas that announced them."""
+    trace = small_tenants(prompts=12, sessions=96)
+    stats = trace_stats(trace, 16)
+    pool = 3 * stats.largest_request_pages
+    results = {}
+    for remote in (0, stats.working_set_pages):
+        keep: list[object] = []
+        results[remote] = simulate_cluster(
+            trace, "cache_aware", 2, pool, 16, stats, keep=keep, remote_pages=remote
+        )
+        _, index, replicas, _ = keep
+        index.check()
+        shared = set().union(*(publisher.shared() for _, _, publisher in replicas))
+        assert index.num_shared == len(shared)
+    off, on = results[0], results[stats.working_set_pages]
+    assert off.remote_hit_rate == 0 and off.loaded_remote == 0
+    assert on.loaded_remote > 0 and on.remote_hit_rate > 0.3
+    assert on.hit_rate > off.hit_rate and on.hit_ratio > 0.95
+    assert on.imbalance <= off.imbalance + 0.1
+
+
+def test_the_router_trusts_no_more_store_pages_than_the_store_keeps() -> None:
+    """A store of 12 pages (two system prompts) under a trace of 12 prompts: the store's LRU
+    evicts without telling anyone, so the index keeps only the 12 pages used last; requests
+    sent on the store's word rarely miss, and the hit rate stays that of no store."""
+    trace = small_tenants(prompts=12, sessions=96)
+    stats = trace_stats(trace, 16)
+    pool = 3 * stats.largest_request_pages
+    off = simulate_cluster(trace, "cache_aware", 2, pool, 16, stats)
+    keep: list[object] = []
+    tight = simulate_cluster(trace, "cache_aware", 2, pool, 16, stats, keep=keep,
+                             remote_pages=12)
+    _, index, replicas, _ = keep
+    assert tight.requests == off.requests == trace.num_requests
+    assert all(publisher.shared_capacity == 12 for _, _, publisher in replicas)
+    assert 0 < index.num_shared <= 12
+    assert tight.hit_rate >= 0.98 * off.hit_rate

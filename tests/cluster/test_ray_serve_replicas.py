@@ -499,18 +499,25 @@ def test_replicas_share_one_remote_tier_and_answer_as_one_engine(
                      "locks", "hinges", "tape", "wire", "pipes", "valves", "bulbs", "fuses") * 3
                 )
             )
-            # Two questions, one after the other: the second goes to the replica without the
-            # document (within the remote cost of its holder, and sent fewer requests lately)
-            # and loads it from Redis; a router blind to the store keeps both on the holder.
-            prompts = [f"{SYSTEM}\n{document}\nQuestion {q}: where is item {q}?" for q in range(2)]
-            texts, cached = [], []
-            for prompt in prompts:
+            # One question, then two at once: the router sends the first of those to the
+            # replica holding the document and the second to the other (a shorter queue,
+            # within the store's cost of the holder), which loads it from Redis. A router
+            # blind to the store keeps all three on the holder (under its balance threshold,
+            # and too few for a hot prefix's copy).
+            prompts = [f"{SYSTEM}\n{document}\nQuestion {q}: where is item {q}?" for q in range(3)]
+
+            def ask(prompt: str) -> tuple[str, int]:
                 reply = api.completions.create(
                     model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0
                 )
-                texts.append(reply.choices[0].text)
-                cached.append(reply.usage.prompt_tokens_details.cached_tokens)
-                time.sleep(1.0)  # the remote writes and the KV events reach the router
+                return reply.choices[0].text, reply.usage.prompt_tokens_details.cached_tokens
+
+            first = ask(prompts[0])
+            time.sleep(1.0)  # the remote writes and the KV events reach the router
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                rest = list(pool.map(ask, prompts[1:]))
+            texts = [text for text, _ in [first, *rest]]
+            cached = [hit for _, hit in [first, *rest]]
             expected = local.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))
             assert texts == [output.text for output in expected]
             assert cached[0] == 0 and all(c >= 160 for c in cached[1:]), cached

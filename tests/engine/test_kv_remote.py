@@ -16,6 +16,7 @@ from redis_server import free_port, redis_server
 from engine import Engine
 from engine.serving.kv_remote import RedisClient
 from radix.tiers import PageRecord, RemoteStore
+from radix.tiers.remote import RETRY_AFTER_S
 
 DOC = " ".join(f"Clause {i}: the tenant pays {i * 7} credits by day {i + 3}." for i in range(30))
 PROMPTS = [f"{DOC}\nQuestion {q}: which clause costs most?" for q in range(3)]
@@ -149,3 +150,25 @@ def test_the_stores_own_budget_evicts_pages_and_evicted_pages_are_misses(
         # ~8 pages fit: the oldest document cannot have survived whole
         assert outs[0].cached_tokens < outs[0].prompt_tokens - 16, outs[0]
         assert_idle_accounting(second)
+
+
+def test_a_server_killed_mid_run_costs_misses_and_is_used_again_once_back(
+    make_engine: Any, reference: list[list[int]], tmp_path: Path
+) -> None:
+    with redis_server(tmp_path) as (url, proc):
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        eng = make_engine(num_pages=64, kv_remote=url)
+        remote = eng._loop._kv.tiers.remote
+        assert eng.generate(PROMPTS[:1], greedy(NEW))[0].token_ids == reference[0]
+        assert remote.flush() and remote.written > 0
+        proc.kill()
+        proc.wait()
+        outs = eng.generate(PROMPTS[1:], greedy(NEW))  # pool hits; writes and lookups fail
+        assert [o.token_ids for o in outs] == reference[1:]
+        assert eng.stats().tiers.remote_errors >= 1
+    with redis_server(tmp_path, port=port) as (url, _):  # back, empty
+        time.sleep(RETRY_AFTER_S + 0.2)
+        written = remote.written
+        eng.generate([" ".join(f"Line {i} of a new memo." for i in range(20))], greedy(NEW))
+        assert remote.flush() and remote.written > written  # writes resumed
+        assert_idle_accounting(eng)

@@ -3,8 +3,11 @@
 The page is three static files of this package (``server/inspector/static``: HTML, CSS, JS; no build
 step, nothing fetched from elsewhere, a Content-Security-Policy that forbids it) that poll
 the state. The state is the engines' ``InspectSnapshot``s (taken on each loop thread, bounded
-by ``?budget=`` nodes; with replicas, the snapshots they published last) made into JSON by
-``view`` on the tokenizing thread, plus the traffic of the last minutes.
+by ``?budget=`` nodes; with replicas, the snapshots they published last), labelled on the
+tokenizing thread and made into JSON by ``view`` on a worker thread, plus the traffic of the
+last minutes. None of that runs on the event loop: 20,000 nodes made into JSON there held
+every stream's next token for tens of milliseconds per poll. One inspection runs at a time;
+a few more wait, and past those a 429 says to retry.
 
 Both answer only clients on loopback unless the server runs with ``--inspect-public``; the
 state needs the API key as the API does (the page holds no data, and a browser cannot send a
@@ -30,12 +33,18 @@ from starlette.responses import Response
 
 from server.checks import check_auth
 from server.errors import APIError, engine_dead, invalid, not_found
-from server.inspector.view import build_state, label_sources, summed
+from server.inspector.view import build_state, label_runs, label_sources, summed
 from server.state import ServerState
 
 DEFAULT_BUDGET = 400
 MAX_BUDGET = 20_000
 SNAPSHOT_TIMEOUT_S = 10.0
+# Inspections waiting for the one in progress beyond which a new one gets 429 + Retry-After.
+MAX_WAITING_INSPECTIONS = 4
+# Labels decoded per call on the tokenizing thread: the tokenizer decodes a batch holding the
+# interpreter lock (20,000 labels in one call held it, and so the event loop, ~300 ms), and
+# other requests' tokenizing waits behind each call.
+LABELS_PER_DECODE = 256
 SALTS_HEADER = "x-radixkv-cache-salts"
 # Nothing but this server: no CDN, no inline script (a label can never become code).
 CSP = (
@@ -102,6 +111,8 @@ class Inspector:
                 return {"engine": take(budget, timeout=SNAPSHOT_TIMEOUT_S)}
 
         self._snapshots = snapshots
+        self._one_at_a_time = asyncio.Lock()
+        self._waiting = 0
 
     async def state(self, state: ServerState, request: Request) -> Response:
         """The state JSON (see ``view``)."""
@@ -111,25 +122,68 @@ class Inspector:
             raise not_found("this engine cannot be inspected", code="inspect_unavailable")
         budget = _budget(request.query_params.get("budget"))
         salts = _salts(request.headers.get(SALTS_HEADER, ""))
+        if self._one_at_a_time.locked() and self._waiting >= MAX_WAITING_INSPECTIONS:
+            raise APIError(
+                429,
+                f"the inspector is busy: one inspection runs and {self._waiting} wait; retry "
+                "in a second",
+                type="rate_limit_error",
+                code="inspector_busy",
+                headers={"Retry-After": "1"},
+            )
+        self._waiting += 1
         try:
-            taken = await asyncio.to_thread(self._snapshots, budget)
+            await self._one_at_a_time.acquire()
+        finally:  # acquired, or cancelled while waiting (the client left)
+            self._waiting -= 1
+        try:
+            return await self._state(state, salts, budget)
+        finally:
+            self._one_at_a_time.release()
+
+    async def _state(self, state: ServerState, salts: frozenset[str], budget: int) -> Response:
+        """Snapshots and their label runs, the labels, then the JSON: each off the loop."""
+        assert self._snapshots is not None
+        try:
+            snapshots, runs = await asyncio.to_thread(_take, self._snapshots, budget, salts)
         except (TimeoutError, concurrent.futures.TimeoutError):  # distinct before 3.11
             raise engine_dead("the engine did not answer the inspector in time") from None
-        return await _state(state, dict(sorted(taken.items())), salts, budget)
+        stats = [s.stats for s in snapshots.values()]
+        if stats:
+            state.traffic.sample(summed(stats))
+        labels: list[str] = []
+        for start in range(0, len(runs), LABELS_PER_DECODE):
+            labels += await state.on_tokenizer(
+                _decoded, state.engine.tokenizer, runs[start : start + LABELS_PER_DECODE]
+            )
+        traffic = state.traffic.series()  # the log is the loop's: read here, not on a thread
+        body = await asyncio.to_thread(_encoded, snapshots, salts, labels, traffic, budget)
+        return Response(body, media_type="application/json",
+                        headers={"Cache-Control": "no-store"})
 
 
-async def _state(
-    state: ServerState, snapshots: dict[str, Any], salts: frozenset[str], budget: int
-) -> Response:
-    stats = [s.stats for s in snapshots.values()]
-    if stats:
-        state.traffic.sample(summed(stats))
-    runs = label_sources(snapshots, salts)
-    labels = await state.on_tokenizer(state.engine.tokenizer.batch_decode, runs) if runs else []
-    body = build_state(snapshots, salts, labels, state.traffic.series())
+def _take(
+    source: SnapshotSource, budget: int, salts: frozenset[str]
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """On a worker thread: the snapshots by name, and the token runs their labels need."""
+    snapshots = dict(sorted(source(budget).items()))
+    return snapshots, label_sources(snapshots, salts)
+
+
+def _decoded(tokenizer: Any, sources: list[Any]) -> list[str]:
+    """On the tokenizing thread: one slice of the labels (their token lists made here, so
+    they die young)."""
+    return tokenizer.batch_decode(label_runs(sources))
+
+
+def _encoded(
+    snapshots: dict[str, Any], salts: frozenset[str], labels: list[str], traffic: list[Any],
+    budget: int,
+) -> bytes:
+    """On a worker thread: the state as JSON bytes."""
+    body = build_state(snapshots, salts, labels, traffic)
     body["budget"] = budget
-    return Response(msgspec.json.encode(body), media_type="application/json",
-                    headers={"Cache-Control": "no-store"})
+    return msgspec.json.encode(body)
 
 
 def _budget(raw: str | None) -> int:

@@ -7,6 +7,11 @@ the namespaces whose ``cache_salt`` the viewer sent (a salt is a tenant's key to
 so it is never printed: a namespace is named by a digest of it). The replicas' request rings
 merge into one list, newest first, each request with the replica that served it (where the
 router sent it). Plain builtins out, for ``msgspec.json``.
+
+The tree's nodes (up to 20,000) become ``NodeRow``s, structs the garbage collector does not
+track, and their label sources stay the snapshot's own until a slice of them is decoded:
+20,000 dicts and token lists alive at once set off a full collection of the server's whole
+heap (~0.2 s holding the interpreter lock, so the event loop too).
 """
 
 from __future__ import annotations
@@ -29,20 +34,41 @@ def namespace_id(name: str | None) -> str:
     return "tenant-" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:10]
 
 
-def label_sources(snapshots: Mapping[str, Any], salts: Collection[str]) -> list[list[int]]:
-    """Every token-id run that needs decoding, in the order ``build_state`` reads them back:
-    visible nodes' heads, then visible requests' heads and tails newest first, replica by
-    replica."""
-    runs: list[list[int]] = []
+class NodeRow(msgspec.Struct, gc=False):
+    """One node as the page gets it (a struct the garbage collector does not track)."""
+
+    ns: int
+    parent: int
+    offset: int
+    tokens: int
+    pages: int
+    label: str | None
+    recency: float
+    in_flight: bool
+    pinned: bool
+    hidden_children: int
+    hidden_tokens: int
+
+
+def label_sources(snapshots: Mapping[str, Any], salts: Collection[str]) -> list[Any]:
+    """Every label to decode, in the order ``build_state`` reads them back: visible nodes
+    (their ``NodeView``: its ``head`` is made when decoded, ``label_runs``), then visible
+    requests' heads and tails newest first, replica by replica."""
+    sources: list[Any] = []
     for snapshot in snapshots.values():
         names = [ns.name for ns in snapshot.tree.namespaces]
-        runs.extend(
-            node.head for node in snapshot.tree.nodes if _visible(names[node.namespace], salts)
+        sources.extend(
+            node for node in snapshot.tree.nodes if _visible(names[node.namespace], salts)
         )
         for r in reversed(snapshot.requests):
             if _visible(r.namespace, salts):
-                runs.extend((r.head, r.tail))
-    return runs
+                sources.extend((r.head, r.tail))
+    return sources
+
+
+def label_runs(sources: list[Any]) -> list[list[int]]:
+    """The token ids of ``label_sources``' items (a slice of them at a time)."""
+    return [s if isinstance(s, list) else s.head for s in sources]
 
 
 def build_state(
@@ -94,24 +120,22 @@ def _replica(name: str, snapshot: Any, salts: Collection[str], texts: Any) -> di
         }
         for ns in tree.namespaces
     ]
-    nodes = []
-    for node in tree.nodes:
-        visible = _visible(names[node.namespace], salts)
-        nodes.append(
-            {
-                "ns": node.namespace,
-                "parent": node.parent,
-                "offset": node.offset,
-                "tokens": node.tokens,
-                "pages": node.pages,
-                "label": _label(next(texts)) if visible else None,
-                "recency": round(node.recency, 4),
-                "in_flight": node.in_flight,
-                "pinned": node.pinned,
-                "hidden_children": node.hidden_children,
-                "hidden_tokens": node.hidden_tokens,
-            }
+    nodes = [
+        NodeRow(
+            node.namespace,
+            node.parent,
+            node.offset,
+            node.tokens,
+            node.pages,
+            _label(next(texts)) if _visible(names[node.namespace], salts) else None,
+            round(node.recency, 4),
+            node.in_flight,
+            node.pinned,
+            node.hidden_children,
+            node.hidden_tokens,
         )
+        for node in tree.nodes
+    ]
     requests = []
     for r in reversed(snapshot.requests):  # newest first
         visible = _visible(r.namespace, salts)
@@ -184,20 +208,20 @@ def _top_prefixes(replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for replica in replicas:
         tree = replica["tree"]
         nodes = tree["nodes"]
-        held = [node["tokens"] + node["hidden_tokens"] for node in nodes]
+        held = [node.tokens + node.hidden_tokens for node in nodes]
         for i in range(len(nodes) - 1, -1, -1):  # children come after their parents
-            parent = nodes[i]["parent"]
+            parent = nodes[i].parent
             if parent >= 0:
                 held[parent] += held[i]
         for i, node in enumerate(nodes):
-            if node["parent"] == -1:
+            if node.parent == -1:
                 found.append(
                     {
                         "replica": replica["name"],
-                        "namespace": tree["namespaces"][node["ns"]]["id"],
-                        "label": node["label"],
+                        "namespace": tree["namespaces"][node.ns]["id"],
+                        "label": node.label,
                         "tokens": held[i],
-                        "recency": node["recency"],
+                        "recency": node.recency,
                     }
                 )
     found.sort(key=lambda row: row["tokens"], reverse=True)

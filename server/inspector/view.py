@@ -4,7 +4,10 @@ The snapshots (``engine.api.InspectSnapshot``, one per engine or replica) hold t
 namespaces as the loop saw them; here they become what a viewer may see: each node's and
 request's label is the decoded start of its text, shown only for the default namespace and
 the namespaces whose ``cache_salt`` the viewer sent (a salt is a tenant's key to its cache,
-so it is never printed: a namespace is named by a digest of it). The replicas' request rings
+so it is never printed: a namespace is named by a digest of it keyed by this process's random
+key, so a guessable salt cannot be confirmed offline against its name). Bidi controls in a
+label are shown as ``\\u202e``-style text: drawn, they reorder what a viewer reads
+("invoice \\u202egpj.exe" as "invoice exe.jpg"). The replicas' request rings
 merge into one list, newest first, each request with the replica that served it (where the
 router sent it). Plain builtins out, for ``msgspec.json``.
 
@@ -17,6 +20,9 @@ heap (~0.2 s holding the interpreter lock, so the event loop too).
 from __future__ import annotations
 
 import hashlib
+import hmac
+import re
+import secrets
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -25,13 +31,19 @@ import msgspec
 LABEL_CHARS = 48
 ROUTES_SHOWN = 25
 TOP_PREFIXES = 10
+# Keys the namespaces' digests: new with each server process, so names hold while it runs.
+_NAMESPACE_KEY = secrets.token_bytes(32)
+# Unicode's bidirectional controls (embeddings, overrides, isolates, marks).
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def namespace_id(name: str | None) -> str:
-    """How a namespace is shown: ``default``, or a digest of its salt (never the salt)."""
+    """How a namespace is shown: ``default``, or a keyed digest of its salt (never the salt,
+    nor a digest anyone could recompute from a guess)."""
     if name is None:
         return "default"
-    return "tenant-" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:10]
+    digest = hmac.new(_NAMESPACE_KEY, name.encode("utf-8"), hashlib.sha256).hexdigest()
+    return "tenant-" + digest[:10]
 
 
 class NodeRow(msgspec.Struct, gc=False):
@@ -103,8 +115,9 @@ def _visible(namespace: str | None, salts: Collection[str]) -> bool:
 
 
 def _label(text: str) -> str:
-    """One line, at most ``LABEL_CHARS`` characters (text only: the page never parses it)."""
-    flat = " ".join(text.split())
+    """One line, at most ``LABEL_CHARS`` characters (text only: the page never parses it),
+    bidi controls written out (``\\u202e``) rather than obeyed."""
+    flat = _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", " ".join(text.split()))
     return flat if len(flat) <= LABEL_CHARS else flat[: LABEL_CHARS - 1] + "\u2026"
 
 

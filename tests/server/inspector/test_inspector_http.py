@@ -84,6 +84,35 @@ def test_a_tenants_text_shows_only_to_who_sends_its_salt(traffic: str) -> None:
     assert shown["viewer"]["namespaces"] == [tenant_rows[0]["namespace"]]
 
 
+def test_bidi_controls_in_a_label_are_shown_escaped(server_url: str) -> None:
+    """``invoice \\u202egpj.exe`` would read "invoice exe.jpg" drawn as it is: the label
+    carries the control as visible ``\\u202e`` text instead."""
+    reply = httpx.post(server_url + "/v1/completions", timeout=120, json={
+        "prompt": "invoice \u202egpj.exe \u2066attached\u2069 for the bidi test", "max_tokens": 1})
+    assert reply.status_code == 200, reply.text
+    labels = [r["label"] for r in state(server_url)["routes"] if r["label"]]
+    shown = next(label for label in labels if "invoice" in label)
+    assert "invoice \\u202egpj.exe" in shown
+    assert not any(ch in label for label in labels for ch in "\u202a\u202b\u202c\u202d\u202e"
+                   "\u2066\u2067\u2068\u2069\u200e\u200f\u061c")
+
+
+def test_a_namespace_is_named_by_a_keyed_digest_not_one_anyone_can_recompute(
+    server_url: str,
+) -> None:
+    """A low-entropy salt cannot be confirmed offline against its name: the digest is keyed
+    by the server's own random key (stable while it runs)."""
+    import hashlib
+
+    salt = "1234"
+    chat(server_url, "Which tenant am I?", salt=salt)
+    mine = state(server_url, **salts_header(salt))["viewer"]["namespaces"]
+    assert len(mine) == 1 and mine[0].startswith("tenant-")
+    assert mine == state(server_url, **salts_header(salt))["viewer"]["namespaces"]
+    for digest in (hashlib.sha256, hashlib.sha1, hashlib.md5, hashlib.blake2b):
+        assert digest(salt.encode()).hexdigest()[:10] not in mine[0]
+
+
 @pytest.mark.parametrize(
     ("query", "headers", "param"),
     [

@@ -276,6 +276,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --scheduling-policy priority, one step of priority is worth S seconds "
         "of waiting (default 0.01: no request waits behind better ones that arrived over "
         "20 s after it; 0: strict priority)")
+    # Aging counted steps before; a step's length follows the load, so no number of seconds
+    # stands for it: the old flag is refused by name rather than guessed at.
+    add("--priority-aging-steps", type=int, help=argparse.SUPPRESS)
     add("--policy", choices=POLICIES,
         help="order of waiting requests (default lpm: longest cached prefix first)")
     add("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
@@ -313,6 +316,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace, **defaults: Any) -> EngineConfig:
     """The config ``add_arguments``' flags describe; ``defaults`` (plain knob names) apply
     where a flag was not given. ValueError names the knob (``page_size``, not the flag)."""
+    if getattr(args, "priority_aging_steps", None) is not None:
+        raise ValueError(
+            "priority_aging_steps: gone; aging counts seconds waited now, not scheduler steps: "
+            "--priority-aging-seconds S (one step of priority per S seconds, default 0.01)"
+        )
     given = {
         name: getattr(args, name)
         for name in (*ENGINE_KNOBS, *SCHEDULER_KNOBS)

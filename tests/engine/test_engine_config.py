@@ -15,11 +15,12 @@ FLAGS = [
     "--model", "m.gguf", "--device", "cpu", "--dtype", "float32", "--page-size", "8",
     "--num-pages", "64", "--max-running", "4", "--max-batch-tokens", "256", "--policy", "fcfs",
     "--no-prefix-cache", "--backend", "torch", "--threads", "2", "--no-batch-invariant",
+    "--scheduling-policy", "priority", "--priority-aging-seconds", "0.5",
 ]
 EXPECTED = EngineConfig.make(
     model="m.gguf", device="cpu", dtype="float32", page_size=8, num_pages=64, max_running=4,
     max_batch_tokens=256, policy="fcfs", prefix_cache=False, backend="torch", threads=2,
-    batch_invariant=False,
+    batch_invariant=False, scheduling_policy="priority", priority_aging_seconds=0.5,
 )
 
 
@@ -69,6 +70,12 @@ def test_bad_knobs_are_value_errors_naming_the_knob(knobs: dict, match: str) -> 
 def test_a_bad_flag_value_names_the_knob_not_a_traceback() -> None:
     args = build_parser(add_serve).parse_args(["serve", "--page-size", "0"])
     with pytest.raises(ValueError, match=r"page_size: must be an int >= 1"):
+        EngineConfig.from_args(args)
+
+
+def test_the_step_counted_aging_flag_is_refused_naming_its_replacement() -> None:
+    args = build_parser(add_serve).parse_args(["serve", "--priority-aging-steps", "256"])
+    with pytest.raises(ValueError, match=r"^priority_aging_steps: .*--priority-aging-seconds"):
         EngineConfig.from_args(args)
 
 

@@ -142,7 +142,7 @@ class Inspector:
             self._one_at_a_time.release()
 
     async def _state(self, state: ServerState, salts: frozenset[str], budget: int) -> Response:
-        """Snapshots and their label runs, the labels, then the JSON: each off the loop."""
+        """Snapshots and their label sources, the labels, then the JSON: each off the loop."""
         assert self._snapshots is not None
         try:
             snapshots, runs = await asyncio.to_thread(_take, self._snapshots, budget, salts)
@@ -164,8 +164,9 @@ class Inspector:
 
 def _take(
     source: SnapshotSource, budget: int, salts: frozenset[str]
-) -> tuple[dict[str, Any], list[list[int]]]:
-    """On a worker thread: the snapshots by name, and the token runs their labels need."""
+) -> tuple[dict[str, Any], list[Any]]:
+    """On a worker thread: the snapshots by name, and the sources of their labels
+    (``label_sources``)."""
     snapshots = dict(sorted(source(budget).items()))
     return snapshots, label_sources(snapshots, salts)
 

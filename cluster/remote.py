@@ -62,10 +62,12 @@ class RemoteEngine:
         stream: Stream,
         pool_tokens: Callable[[], int | None],
         stats: Callable[[], EngineStats | None] = lambda: None,
+        priority_scheduling: bool = False,
     ) -> None:
         self._front = front
         self._prompts = PromptPreparer(
-            front.tokenizer, front.config.vocab_size, int(front.config.max_position_embeddings)
+            front.tokenizer, front.config.vocab_size, int(front.config.max_position_embeddings),
+            priority_scheduling=priority_scheduling,
         )
         self._stream = stream
         self._pool_tokens = pool_tokens

@@ -261,7 +261,8 @@ class OpenAIFront:
         self._page_size = config.engine.page_size
         self._stats = ReplicaStats()
         self.engine = RemoteEngine(
-            load_front(config.engine.model), self._call, self._pool_tokens, self._summed_stats
+            load_front(config.engine.model), self._call, self._pool_tokens, self._summed_stats,
+            priority_scheduling=config.engine.scheduler.scheduling_policy == "priority",
         )
         self._server = config.server
         if config.server.log_requests:  # the access lines reach the driver's stderr

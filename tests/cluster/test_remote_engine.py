@@ -40,10 +40,14 @@ def test_bad_requests_are_refused_before_any_replica_sees_them(front: Any) -> No
         ),
         ({"prompt": [front.config.vocab_size], "params": None}, "prompt"),
         ({"prompt": "hi " * 40, "params": SamplingParams(max_new_tokens=40)}, "prompt"),
+        # replicas scheduling first come, first served: the front refuses a priority too
+        ({"prompt": "hi", "params": SamplingParams(max_new_tokens=4, priority=-5)}, "priority"),
     ):
         with pytest.raises(ValueError, match=field):
             asyncio.run(submit(**kwargs))
     assert sent == []
+    allowed = RemoteEngine(front, stream, lambda: 64, priority_scheduling=True)
+    allowed._prompts.prepare("hi", SamplingParams(max_new_tokens=4, priority=-5), None, 64)
 
 
 def test_a_request_goes_out_as_token_ids_with_its_text(front: Any) -> None:

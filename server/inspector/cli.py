@@ -77,6 +77,7 @@ def summary(state: dict[str, Any], requests: int = 10) -> str:
         f"hit rate {100 * t['hit_rate']:.1f}% over {t['requests']:,} requests: "
         f"{t['prompt_tokens']:,} prompt tokens, {t['pool_tokens']:,} from the pool, "
         f"{t['host_tokens']:,} from host memory, {t['disk_tokens']:,} from disk, "
+        f"{t.get('remote_tokens', 0):,} from the shared store, "
         f"{t['computed_tokens']:,} computed; {t['evicted_pages']:,} pages evicted, "
         f"{t['restored_pages']:,} restored",
     ]

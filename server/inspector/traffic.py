@@ -39,7 +39,8 @@ class CounterSample(msgspec.Struct, frozen=True, array_like=True):
     disk: int
     computed: int  # prompt tokens computed (prompt - cached) so far
     evicted_pages: int
-    restored_pages: int  # pages loaded back from host memory or disk
+    restored_pages: int  # pages loaded back from host memory, disk or the shared store
+    remote: int = 0  # prompt tokens loaded from the shared store (--kv-remote) so far
 
 
 class TrafficBucket(msgspec.Struct, frozen=True):
@@ -60,6 +61,7 @@ class TrafficBucket(msgspec.Struct, frozen=True):
     computed_tokens: int
     evicted_pages: int
     restored_pages: int
+    remote_tokens: int = 0
 
 
 class TrafficLog:
@@ -98,12 +100,13 @@ class TrafficLog:
         self._samples.append(
             CounterSample(
                 now,
-                c.cached_tokens - c.cached_tokens_host - c.cached_tokens_disk,
+                c.cached_tokens_pool,
                 c.cached_tokens_host,
                 c.cached_tokens_disk,
                 c.prompt_tokens - c.cached_tokens,
                 stats.pages.evicted,
-                stats.tiers.loaded_host + stats.tiers.loaded_disk,
+                stats.tiers.loaded_host + stats.tiers.loaded_disk + stats.tiers.loaded_remote,
+                c.cached_tokens_remote,
             )
         )
 
@@ -141,13 +144,14 @@ class TrafficLog:
                     computed_tokens=d[3],
                     evicted_pages=d[4],
                     restored_pages=d[5],
+                    remote_tokens=d[6],
                 )
             )
         return buckets
 
     def _sample_deltas(self, start: float, bucket_s: float, count: int) -> list[list[int]]:
         """Counter growth between consecutive samples, put in the bucket of the later one."""
-        deltas = [[0] * 6 for _ in range(count)]
+        deltas = [[0] * (len(CounterSample.__struct_fields__) - 1) for _ in range(count)]
         samples = list(self._samples)
         for before, after in zip(samples, samples[1:]):
             if after.at <= start:

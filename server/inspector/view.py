@@ -196,10 +196,12 @@ def _counters(stats: Any) -> dict[str, Any]:
         "pool_tokens": c.cached_tokens_pool,
         "host_tokens": c.cached_tokens_host,
         "disk_tokens": c.cached_tokens_disk,
+        "remote_tokens": c.cached_tokens_remote,
         "computed_tokens": c.prompt_tokens - c.cached_tokens,
         "generated_tokens": c.generated_tokens,
         "evicted_pages": stats.pages.evicted,
-        "restored_pages": stats.tiers.loaded_host + stats.tiers.loaded_disk,
+        "restored_pages": stats.tiers.loaded_host + stats.tiers.loaded_disk
+        + stats.tiers.loaded_remote,
         "hit_rate": c.hit_rate,
     }
 

@@ -112,7 +112,7 @@ function render(state) {
   const summary = document.getElementById("summary");
   setField(summary, "totals.hit_rate", pct(t.hit_rate || 0));
   for (const name of ["requests", "prompt_tokens", "pool_tokens", "host_tokens", "disk_tokens",
-                      "computed_tokens", "evicted_pages"]) {
+                      "remote_tokens", "computed_tokens", "evicted_pages"]) {
     setField(summary, "totals." + name, int(t[name] || 0));
   }
   drawPlots(state.traffic);
@@ -286,7 +286,8 @@ function drawPlots(buckets) {
   const plots = [
     ["hit rate", [["hit_rate", "#4e79a7", "of prompt tokens"]], v => pct(v), 1],
     ["prompt tokens by source", [["pool_tokens", "#4e79a7", "pool"], ["host_tokens", "#f28e2b", "host"],
-      ["disk_tokens", "#76b7b2", "disk"], ["computed_tokens", "#bab0ac", "computed"]], int],
+      ["disk_tokens", "#76b7b2", "disk"], ["remote_tokens", "#b07aa1", "shared store"],
+      ["computed_tokens", "#bab0ac", "computed"]], int],
     ["time to first token", [["ttft_p50", "#4e79a7", "p50"], ["ttft_p95", "#e15759", "p95"]], ms],
     ["inter-token latency", [["itl_p50", "#4e79a7", "p50"], ["itl_p95", "#e15759", "p95"]], ms],
     ["throughput", [["tokens_per_s", "#59a14f", "generated tokens/s"]], v => v.toFixed(1)],

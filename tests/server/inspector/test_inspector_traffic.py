@@ -50,17 +50,19 @@ def test_counter_samples_become_tokens_per_tier_evictions_and_restores() -> None
     log.sample(zero)
     clock.now += 5
     counters = zero.counters.__class__(prompt_tokens=300, cached_tokens=200,
-                                       cached_tokens_host=40, cached_tokens_disk=10)
+                                       cached_tokens_host=40, cached_tokens_disk=10,
+                                       cached_tokens_remote=30)
     grown = msgspec.structs.replace(
         zero, counters=counters, pages=dataclasses.replace(zero.pages, evicted=7),
-        tiers=dataclasses.replace(zero.tiers, loaded_host=3),
+        tiers=dataclasses.replace(zero.tiers, loaded_host=3, loaded_remote=2),
     )
     log.sample(grown)
     log.sample(grown)  # within a second of the last: not kept
     last = log.series(bucket_s=10)[-1]
-    assert (last.pool_tokens, last.host_tokens, last.disk_tokens) == (150, 40, 10)
+    tiers = (last.pool_tokens, last.host_tokens, last.disk_tokens, last.remote_tokens)
+    assert tiers == (120, 40, 10, 30)  # the shared store's tokens are not the pool's
     assert last.computed_tokens == 100
-    assert (last.evicted_pages, last.restored_pages) == (7, 3)
+    assert (last.evicted_pages, last.restored_pages) == (7, 5)
 
 
 def test_what_left_the_window_is_not_counted() -> None:

@@ -110,8 +110,6 @@ async def create_response(state: ServerState, request: Request) -> Response:
                 code="previous_response_not_found",
                 param="previous_response_id",
             )
-    if req.store and not await asyncio.to_thread(store.room_for):
-        raise _store_full()
     turn = Turn(state.engine, req, previous)
     calling = turn.tools is not None and turn.tools.calling
     texts = [m["content"] for m in turn.messages]
@@ -212,20 +210,14 @@ def _no_such(response_id: str) -> APIError:
     )
 
 
-def _store_full() -> APIError:
-    return invalid(
-        "store: the server's response store is full; delete stored responses "
-        "(DELETE /v1/responses/{id}) or send store=false",
-        param="store",
-        code="response_store_full",
-    )
-
-
 async def _keep(state: ServerState, record: StoredResponse) -> None:
+    """Store ``record``; the store makes room from the oldest responses (its module
+    docstring), so only a response larger than a tenant's whole share is refused."""
     try:
         await asyncio.to_thread(state.responses.put, record)
-    except StoreFullError:
-        raise _store_full() from None
+    except StoreFullError as exc:
+        raise invalid(f"store: {exc}; send store=false", param="store",
+                      code="response_store_full") from None
 
 
 async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterator[bytes]:

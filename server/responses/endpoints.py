@@ -28,11 +28,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.api import EngineClient, RequestOutput, ToolCall
+from engine.api import EngineClient, RequestOutput, TokenLogprob, ToolCall
 from server import protocol
 from server.checks import check_auth
 from server.errors import APIError, as_api_error, invalid, not_found
 from server.generation import TokenBudget, parse, submit
+from server.openai import records
+from server.openai.bodies import chat_logprobs, vllm_prompt_logprobs
 from server.responses import shapes
 from server.responses.shapes import ResponsesRequest, new_id
 from server.responses.store import StoredResponse, StoreFullError
@@ -51,27 +53,66 @@ class Turn:
         self.previous = previous
         self.id = new_id("resp")
         self.created_at = int(time.time())
-        self.history = [
-            *(previous.history if previous else []),
-            *shapes.input_messages(req.input),
-        ]
+        given = shapes.input_messages(req.input)
+        shapes.check_pairing(req.input, shapes.stored_calls(previous.body) if previous else [])
+        self.history = [*(previous.history if previous else []), *given]
         earlier = [*previous.items, *previous.body.get("output", [])] if previous else []
         self.items = [*earlier, *shapes.as_items(req.input)]
+        # the field a prompt too long for the context is said to be: the one holding most
+        self.field = shapes.longest_field(req, self.history)
         # The conversation the engine renders: instructions, then the history.
         messages = protocol.conversation(
             msgspec.convert(self.history, list[protocol.ChatMessage]), "input"
         )
         if req.instructions:
             messages = [{"role": "system", "content": req.instructions}, *messages]
+        reply = shapes.text_format(req.text)
+        if req.structured_outputs:
+            if reply is not None:
+                raise invalid("structured_outputs: give it or text.format, not both",
+                              param="structured_outputs")
+            reply = records.structured_outputs(req)  # checked as chat checks it
         try:
             self.tools, (self.messages, self.structure) = protocol.tool_prompt(
                 engine, messages, shapes.chat_tools(req.tools),
-                shapes.chat_tool_choice(req.tool_choice), req.parallel_tool_calls,
-                shapes.text_format(req.text),
+                shapes.chat_tool_choice(req.tool_choice, req.tools), req.parallel_tool_calls,
+                reply,
             )
         except APIError as exc:  # chat's field names in the Responses API's flat ones
             raise shapes.flat_tool_error(exc) from None
+        self.calling = self.tools is not None and self.tools.calling
         self.ids: list[int] = []
+
+    def renames(self) -> dict[str, str]:
+        """The request's name for a grammar the engine refuses (``structured_outputs.<kind>``
+        when it came from the tools or ``text.format``; as sent when the client sent it)."""
+        if self.calling:
+            return {f"structured_outputs.{k}": "tools" for k in ("json", "grammar")}
+        if self.req.structured_outputs:
+            return {}
+        return {
+            "structured_outputs.json": shapes.TEXT_FORMAT_SCHEMA,
+            "structured_outputs.json_object": "text.format",
+        }
+
+    def logprobs(self, state: ServerState, output: RequestOutput) -> list[dict[str, Any]]:
+        """The reply's log-probabilities as OpenAI has them ([] when not asked for)."""
+        if shapes.wants_logprobs(self.req) is None:
+            return []
+        return chat_logprobs(output.logprobs or [], state.texts)["content"]
+
+    def extras(self, state: ServerState, output: RequestOutput) -> dict[str, Any]:
+        """vLLM's fields chat has too, when asked for: ``prompt_token_ids`` and ``token_ids``
+        (``return_token_ids``), ``prompt_logprobs``. Returned, not stored."""
+        extra: dict[str, Any] = {}
+        if self.req.return_token_ids:
+            extra["prompt_token_ids"] = list(self.ids)
+            extra["token_ids"] = list(output.token_ids)
+        if self.req.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(
+                output.prompt_logprobs or [], state.texts, self.req.prompt_logprobs
+            )
+        return extra
 
     def calls(self, output: RequestOutput) -> tuple[list[ToolCall], bool]:
         """The reply's calls and whether they are whole (none: a plain reply)."""
@@ -82,7 +123,10 @@ class Turn:
         return self.tools.calls(output.text)
 
     def record(self, output: RequestOutput, body: dict[str, Any]) -> StoredResponse:
-        calls, _ = self.calls(output)
+        """The turn as stored: its reply's calls as the client got them (``body``'s
+        output), so the outputs it sends back answer the stored calls' ids."""
+        calls = [ToolCall(item["call_id"], item["name"], item["arguments"])
+                 for item in body["output"] if item["type"] == "function_call"]
         return StoredResponse(
             id=self.id,
             tenant=self.tenant,
@@ -111,26 +155,24 @@ async def create_response(state: ServerState, request: Request) -> Response:
                 param="previous_response_id",
             )
     turn = Turn(state.engine, req, previous)
-    calling = turn.tools is not None and turn.tools.calling
     texts = [m["content"] for m in turn.messages]
     continuing = previous.token_ids if previous is not None else None
-    turn.ids = await state.encode(turn.messages, "input", texts, continuing=continuing)
+    turn.ids = await state.encode(
+        turn.messages, turn.field, texts, req.truncate_prompt_tokens, continuing=continuing
+    )
     budget = TokenBudget("max_output_tokens", req.max_output_tokens)
     params = protocol.choice_params(
         req,
         budget.tokens(len(turn.ids), state.engine.max_context),
-        req.top_logprobs,
+        shapes.wants_logprobs(req),
         renames={"max_new_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
         structure=turn.structure,
+        prompt_logprobs=req.prompt_logprobs,
     )
-    renames = {f"structured_outputs.{k}": "tools" for k in ("json", "grammar")} if calling else {
-        "structured_outputs.json": shapes.TEXT_FORMAT_SCHEMA,
-        "structured_outputs.json_object": "text.format",
-    }
     ttl = state.config.response_ttl if req.store and state.config.response_ttl > 0 else None
     [choice] = submit(
-        state, [turn.ids], ["input"], params, budget, req.cache_salt, req.stream,
-        renames=renames, pin_ttl=ttl,
+        state, [turn.ids], [turn.field], params, budget, req.cache_salt, req.stream,
+        renames=turn.renames(), pin_ttl=ttl,
     )
     if req.stream:
         return EventStreamResponse(_stream(state, turn, choice))
@@ -139,13 +181,13 @@ async def create_response(state: ServerState, request: Request) -> Response:
         return Response(status_code=499)  # nobody is there to read it
     [output] = outputs
     calls, whole = turn.calls(output)
-    items = shapes.output_items(output, calls, whole)
+    items = shapes.output_items(output, calls, whole, turn.logprobs(state, output))
     body = shapes.response_object(
         req, turn.id, turn.created_at, state.config.model_name, output, items
     )
     if req.store and output.finish_reason != "abort":  # a cut-off turn is not kept
         await _keep(state, turn.record(output, body))
-    return JSONResponse(body)
+    return JSONResponse({**body, **turn.extras(state, output)})
 
 
 async def get_response(state: ServerState, request: Request) -> Response:
@@ -232,11 +274,12 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
     started = shapes.response_object(req, turn.id, turn.created_at, model, None, [])
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
-    reader = turn.tools.stream() if turn.tools is not None and turn.tools.calling else None
-    text = _TextItem(event)
+    reader = turn.tools.stream() if turn.calling and turn.tools is not None else None
+    text = _TextItem(event, state if shapes.wants_logprobs(req) is not None else None)
     calls: list[dict[str, Any]] = []  # the function_call items opened, in order
     try:
         async for u in updates(state, [choice]):
+            text.logprobs(u.logprobs)
             if reader is not None and reader.reading(u.text):
                 for delta in reader.deltas():
                     for piece in delta["tool_calls"]:
@@ -272,14 +315,14 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
             for k, item in enumerate(calls):
                 if whole:
                     item["arguments"] = output.tool_calls[k].arguments
-                item["status"] = "completed" if whole else "incomplete"
+                item["status"] = shapes.call_status(item["arguments"], whole)
                 yield event("response.function_call_arguments.done", item_id=item["id"],
                             output_index=k, name=item["name"], arguments=item["arguments"])
                 yield event("response.output_item.done", output_index=k, item=item)
             items = calls
             if not calls:
                 text.cut = output.finish_reason == "length"
-                for chunk in text.done():
+                for chunk in text.done(turn.logprobs(state, output)):
                     yield chunk
                 items = [text.item]
             body = shapes.response_object(
@@ -290,7 +333,7 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
             kind = "response.incomplete" if body["status"] == "incomplete" else (
                 "response.completed"
             )
-            yield event(kind, response=body)
+            yield event(kind, response={**body, **turn.extras(state, output)})
     except Exception as exc:
         error = as_api_error(exc)
         details = error.body()["error"]
@@ -303,29 +346,42 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
 
 
 class _TextItem:
-    """The message item of a plain reply while it streams: opened on its first text."""
+    """The message item of a plain reply while it streams: opened on its first text. With
+    log-probabilities asked for (``state`` given), each delta carries those of the tokens
+    generated since the last delta (text held back by a tool reader keeps its tokens')."""
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, state: ServerState | None) -> None:
         self._event = event
+        self._state = state
+        self._pending: list[TokenLogprob] = []
         self.item = shapes.message_item(new_id("msg"), "", status="in_progress")
         self.text = ""
         self.cut = False  # ended by max_output_tokens
         self._open = False
 
+    def logprobs(self, entries: list[TokenLogprob]) -> None:
+        """The log-probabilities of an update's tokens, sent with the next delta."""
+        if self._state is not None:
+            self._pending.extend(entries)
+
     def delta(self, text: str) -> list[bytes]:
         out = self._opening()
         if text:
             self.text += text
+            shown = []
+            if self._state is not None:
+                shown = chat_logprobs(self._pending, self._state.texts)["content"]
+                self._pending = []
             out.append(self._event("response.output_text.delta", item_id=self.item["id"],
-                                   output_index=0, content_index=0, delta=text, logprobs=[]))
+                                   output_index=0, content_index=0, delta=text, logprobs=shown))
         return out
 
-    def done(self) -> list[bytes]:
+    def done(self, logprobs: list[dict[str, Any]]) -> list[bytes]:
         out = self._opening()
-        part = shapes.text_part(self.text)
+        part = shapes.text_part(self.text, logprobs)
         item_id = self.item["id"]
         out.append(self._event("response.output_text.done", item_id=item_id, output_index=0,
-                               content_index=0, text=self.text, logprobs=[]))
+                               content_index=0, text=self.text, logprobs=logprobs))
         out.append(self._event("response.content_part.done", item_id=item_id, output_index=0,
                                content_index=0, part=part))
         status = "incomplete" if self.cut else "completed"

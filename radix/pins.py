@@ -1,11 +1,13 @@
 """Pins: cached prefixes kept in the pool for a while (a stored conversation between turns).
 
 A pin is a lock on the node where a cached prefix ends, like a running request's, with a
-lifetime. Its pages are never evicted while it lives; when it expires, is dropped, or is the
-oldest past the budget (a share of the pool), the lock goes and its pages are ordinary LRU
+lifetime. Its pages are never evicted while it lives; when it expires, is dropped, or gives
+way past the budget (a share of the pool), the lock goes and its pages are ordinary LRU
 leaves again: evicted in turn, and written down to the host and disk tiers on the way out
 where there are tiers. Pinned pages are the union of the pinned paths (a system prompt under
-many conversations counts once).
+many conversations counts once). Past the budget the pin that gives way is the oldest of the
+namespace (tenant) pinning the most pages, so one tenant's flood of pins ends its own first,
+never another's while it holds more.
 """
 
 from __future__ import annotations
@@ -94,13 +96,30 @@ class PinTable:
         return ended
 
     def release_oldest(self) -> bool:
-        """Release the oldest pin (a request that cannot fit beside the pins needs its
-        pages); False when there are none."""
+        """Release the oldest pin of the namespace pinning the most pages (past the budget,
+        or a request that cannot fit beside the pins needs its pages); False when there are
+        none."""
         if not self.pins:
             return False
-        self._release(next(iter(self.pins.values())))
+        heaviest = max(self._pages_by_namespace().items(), key=lambda kv: kv[1])[0]
+        self._release(next(p for p in self.pins.values() if p.namespace == heaviest))
         self.released += 1
         return True
+
+    def _pages_by_namespace(self) -> dict[str | None, int]:
+        """Pinned pages per namespace, first pinned first (ties go to the namespace of the
+        oldest pin). Namespaces share no nodes (their hashes are seeded apart)."""
+        seen: set[int] = set()
+        pages: dict[str | None, int] = {}
+        for pin in self.pins.values():
+            node: Node | None = pin.node
+            count = 0
+            while node is not None and id(node) not in seen:
+                seen.add(id(node))
+                count += len(node.pages)
+                node = node.parent
+            pages[pin.namespace] = pages.get(pin.namespace, 0) + count
+        return pages
 
     def next_expiry(self) -> float | None:
         """When the first live pin ends (None: no pins)."""

@@ -255,6 +255,22 @@ def test_past_the_budget_the_oldest_pins_are_released() -> None:
     kv.check([])
 
 
+def test_past_the_budget_a_tenants_flood_of_pins_ends_its_own_first() -> None:
+    kv = KVManager(num_pages=16, page_size=2, max_pinned_fraction=0.5)  # 8 pages
+    _cached(kv, [1, 2, 3, 4], namespace="quiet")
+    quiet = kv.pins.pin([1, 2, 3, 4], "quiet", 60.0, 0.0)  # the oldest pin, 2 pages
+    flood = []
+    for base in range(10, 70, 10):  # six pins of 2 pages each by another tenant
+        tokens = [base, base + 1, base + 2, base + 3]
+        _cached(kv, tokens, namespace="flood")
+        flood.append(kv.pins.pin(tokens, "flood", 60.0, 1.0))
+    assert quiet is not None and quiet.active  # the flood's oldest gave way, not the quiet one
+    assert [pin.active for pin in flood] == [False, False, False, True, True, True]
+    assert kv.stats().pinned == 8
+    assert kv.pins.release_oldest() and quiet.active and not flood[3].active
+    kv.check([])
+
+
 def test_a_shared_prefix_under_two_pins_counts_once() -> None:
     kv = KVManager(num_pages=8, page_size=2)
     _cached(kv, [1, 2, 3, 4, 5, 6])

@@ -16,7 +16,8 @@ class PrefixPin:
     """``tokens`` cached tokens of a prompt pinned until ``expires`` (``time.monotonic()``'s
     clock), or 0 tokens when nothing of the prompt was cached (then there is nothing to keep
     and ``unpin`` does nothing). The pin can still end early: past the engine's
-    ``max_pinned_fraction`` of the pool the oldest pins are released first.
+    ``max_pinned_fraction`` of the pool the oldest pin of the namespace pinning the most
+    pages is released first.
 
     ``unpin()`` (or leaving a ``with`` block) releases it at once; its pages become ordinary
     cached pages again, evicted in LRU order (and written down to the KV tiers, where there

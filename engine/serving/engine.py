@@ -173,7 +173,8 @@ class Engine:
         that cached it) in the KV pool for ``ttl`` seconds: other traffic cannot evict it.
         Returns a ``PrefixPin`` whose ``tokens`` is how much was cached and pinned (0: none)
         and whose ``unpin()`` ends it early. Pins share a budget, ``max_pinned_fraction`` of
-        the pool: past it the oldest pins end first. An ended pin's pages are ordinary
+        the pool: past it the oldest pin of the namespace pinning the most ends first (one
+        tenant's pins never end another's). An ended pin's pages are ordinary
         cached pages again (written down to the KV tiers when evicted, where there are
         tiers)."""
         [(ids, _)] = self._prepare(prompt, None, namespace, single=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from starlette.responses import JSONResponse
 
 from engine.api import EngineDeadError
+from server.responses.store import StoreUnavailable
 
 log = logging.getLogger("radixkv.server")
 
@@ -96,6 +97,12 @@ def engine_dead(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable_error", code="engine_dead")
 
 
+def store_unavailable(exc: StoreUnavailable) -> APIError:
+    """A store's file unusable (damaged, gone, a full disk): the server's failure and not the
+    request's, and not all of the server's (503; the code names the store)."""
+    return APIError(503, str(exc), type="service_unavailable_error", code=exc.code)
+
+
 def internal(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 
@@ -119,11 +126,13 @@ def from_engine(exc: ValueError, renames: Mapping[str, str] | None = None) -> AP
 
 def as_api_error(exc: BaseException) -> APIError:
     """Any failure as OpenAI's error: the engine's ValueErrors are the client's fault, a
-    stopped engine is a 503, anything else a 500 whose details stay in the log."""
+    stopped engine or an unusable store is a 503, anything else a 500 whose details stay in the log."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_dead(str(exc))
+    if isinstance(exc, StoreUnavailable):  # logged by the store when it first failed
+        return store_unavailable(exc)
     if isinstance(exc, ValueError):
         return from_engine(exc)
     log.error("request failed", exc_info=exc)

@@ -8,7 +8,8 @@ finds nothing. A turn also leaves its token ids (``Continuation``): while no ite
 deleted since, the next turn's prompt starts with exactly those ids and finds them cached.
 
 The file sits beside the response store's (``conversations.sqlite3``; in memory when that is),
-created readable by its owner only, in WAL mode. Each tenant is bounded (conversations, and the
+created readable by its owner only, opened as the response store's is (``StoreFile``: no
+memory-mapped file, failures raised as ``StoreUnavailable``: a 503 naming the file). Each tenant is bounded (conversations, and the
 bytes of its items) by counters kept in the same transaction as the rows, never by scanning;
 past a bound a write is refused (``ConversationStoreFull``: a 400 naming the field), never
 another tenant's. Every call takes one lock; the endpoints call it on a worker thread.
@@ -19,14 +20,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from server.responses.store import MEMORY, _create_private
+from server.responses.store import MEMORY, StoreFile, StoreUnavailable
 
 FILE_NAME = "conversations.sqlite3"
 MAX_CONVERSATIONS_PER_TENANT = 10_000
@@ -63,7 +63,7 @@ def store_path(responses_path: str) -> str:
     return str(Path(responses_path).with_name(FILE_NAME))
 
 
-class ConversationStore:
+class ConversationStore(StoreFile):
     """Conversations and their items, per tenant, within each tenant's bounds."""
 
     def __init__(
@@ -72,18 +72,22 @@ class ConversationStore:
         max_conversations: int = MAX_CONVERSATIONS_PER_TENANT,
         max_bytes: int = MAX_BYTES_PER_TENANT,
     ) -> None:
-        self.path = str(path)
+        super().__init__(path, "conversation store", "conversation_store_unavailable")
         self.max_conversations = max_conversations
         self.max_bytes = max_bytes
-        if self.path != MEMORY:
-            _create_private(Path(self.path))
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._lock = threading.Lock()
-        with self._lock:
-            if self.path != MEMORY:
-                self._db.execute("PRAGMA journal_mode=WAL")
-                self._db.execute("PRAGMA mmap_size=0")  # no SIGBUS from a damaged file
-            self._db.executescript(
+        try:
+            with self._using():
+                self._create_tables()
+        except StoreUnavailable:
+            self.close()
+            raise
+        self._encode = msgspec.json.Encoder().encode
+        self._item = msgspec.json.Decoder(dict[str, Any]).decode
+        self._metadata = msgspec.json.Decoder(dict[str, str]).decode
+        self._continuation = msgspec.json.Decoder(Continuation).decode
+
+    def _create_tables(self) -> None:
+        self._db.executescript(
                 "CREATE TABLE IF NOT EXISTS conversations (id TEXT PRIMARY KEY, tenant TEXT NOT "
                 "NULL, created_at INTEGER NOT NULL, metadata BLOB NOT NULL, next_seq INTEGER NOT "
                 "NULL, continuation BLOB);"
@@ -94,10 +98,6 @@ class ConversationStore:
                 "CREATE TABLE IF NOT EXISTS usage (tenant TEXT PRIMARY KEY, conversations "
                 "INTEGER NOT NULL, bytes INTEGER NOT NULL);"
             )
-        self._encode = msgspec.json.Encoder().encode
-        self._item = msgspec.json.Decoder(dict[str, Any]).decode
-        self._metadata = msgspec.json.Decoder(dict[str, str]).decode
-        self._continuation = msgspec.json.Decoder(Continuation).decode
 
     # ------------------------------------------------------------------ conversations
 
@@ -107,7 +107,7 @@ class ConversationStore:
         """Store a new conversation with its first ``items``; ConversationStoreFull past the
         tenant's bounds."""
         rows = [(item["id"], self._encode(item)) for item in items]
-        with self._transaction():
+        with self._writing():
             conversations, used = self._usage(tenant)
             if conversations >= self.max_conversations:
                 raise ConversationStoreFull(
@@ -126,16 +126,16 @@ class ConversationStore:
             self._append(conversation.id, tenant, rows, used)
 
     def get(self, conversation_id: str, tenant: str) -> Conversation | None:
-        with self._lock:
+        with self._using():
             row = self._row(conversation_id, tenant, "created_at, metadata")
         if row is None:
             return None
-        return Conversation(conversation_id, row[0], self._metadata(row[1]))
+        return Conversation(conversation_id, row[0], self._decoded(self._metadata, row[1]))
 
     def update(
         self, conversation_id: str, tenant: str, metadata: dict[str, str]
     ) -> Conversation | None:
-        with self._lock:
+        with self._using():
             cursor = self._db.execute(
                 "UPDATE conversations SET metadata = ? WHERE id = ? AND tenant = ?",
                 (self._encode(metadata), conversation_id, tenant),
@@ -143,7 +143,7 @@ class ConversationStore:
         return self.get(conversation_id, tenant) if cursor.rowcount else None
 
     def delete(self, conversation_id: str, tenant: str) -> bool:
-        with self._transaction():
+        with self._writing():
             if self._row(conversation_id, tenant, "1") is None:
                 return False
             freed = self._db.execute(
@@ -165,7 +165,7 @@ class ConversationStore:
     ) -> bool:
         """Append ``items``; False when there is no such conversation (of this tenant)."""
         rows = [(item["id"], self._encode(item)) for item in items]
-        with self._transaction():
+        with self._writing():
             if self._row(conversation_id, tenant, "1") is None:
                 return False
             self._append(conversation_id, tenant, rows, self._usage(tenant)[1])
@@ -173,14 +173,14 @@ class ConversationStore:
 
     def items(self, conversation_id: str, tenant: str) -> list[dict[str, Any]] | None:
         """Every item, oldest first (None: no such conversation)."""
-        with self._lock:
+        with self._using():
             if self._row(conversation_id, tenant, "1") is None:
                 return None
             rows = self._db.execute(
                 "SELECT item FROM items WHERE conversation = ? ORDER BY seq",
                 (conversation_id,),
             ).fetchall()
-        return [self._item(row[0]) for row in rows]
+        return [self._decoded(self._item, row[0]) for row in rows]
 
     def page(
         self, conversation_id: str, tenant: str, order: str, after: str | None, limit: int
@@ -188,7 +188,7 @@ class ConversationStore:
         """Up to ``limit`` items in ``order`` ("asc" or "desc") after the item ``after``, and
         whether more follow. None: no such conversation; KeyError: no item ``after``."""
         direction, compare = ("ASC", ">") if order == "asc" else ("DESC", "<")
-        with self._lock:
+        with self._using():
             if self._row(conversation_id, tenant, "1") is None:
                 return None
             where, args = "conversation = ?", [conversation_id]
@@ -205,20 +205,20 @@ class ConversationStore:
                 f"SELECT item FROM items WHERE {where} ORDER BY seq {direction} LIMIT ?",
                 (*args, limit + 1),
             ).fetchall()
-        return [self._item(row[0]) for row in rows[:limit]], len(rows) > limit
+        return [self._decoded(self._item, row[0]) for row in rows[:limit]], len(rows) > limit
 
     def item(self, conversation_id: str, tenant: str, item_id: str) -> dict[str, Any] | None:
-        with self._lock:
+        with self._using():
             if self._row(conversation_id, tenant, "1") is None:
                 return None
             row = self._db.execute(
                 "SELECT item FROM items WHERE conversation = ? AND id = ?",
                 (conversation_id, item_id),
             ).fetchone()
-        return None if row is None else self._item(row[0])
+        return None if row is None else self._decoded(self._item, row[0])
 
     def delete_item(self, conversation_id: str, tenant: str, item_id: str) -> bool:
-        with self._transaction():
+        with self._writing():
             if self._row(conversation_id, tenant, "1") is None:
                 return False
             row = self._db.execute(
@@ -239,11 +239,11 @@ class ConversationStore:
 
     def continuation(self, conversation_id: str, tenant: str) -> list[int] | None:
         """The last turn's token ids while they still cover every item (None otherwise)."""
-        with self._lock:
+        with self._using():
             row = self._row(conversation_id, tenant, "continuation")
             if row is None or row[0] is None:
                 return None
-            kept = self._continuation(row[0])
+            kept = self._decoded(self._continuation, row[0])
             count, last = self._db.execute(
                 "SELECT COUNT(*), (SELECT id FROM items WHERE conversation = ?1 ORDER BY seq "
                 "DESC LIMIT 1) FROM items WHERE conversation = ?1", (conversation_id,),
@@ -257,7 +257,7 @@ class ConversationStore:
         """Append a turn's input and output ``items`` and keep its token ids; False when the
         conversation is gone."""
         rows = [(item["id"], self._encode(item)) for item in items]
-        with self._transaction():
+        with self._writing():
             if self._row(conversation_id, tenant, "1") is None:
                 return False
             self._append(conversation_id, tenant, rows, self._usage(tenant)[1])
@@ -315,16 +315,14 @@ class ConversationStore:
         return (0, 0) if row is None else (row[0], row[1])
 
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def _writing(self) -> Iterator[None]:
+        """One write transaction under the lock (``StoreFile._transaction``)."""
+        with self._using(), self._transaction():
+            yield
 
-    def close(self) -> None:
-        with self._lock, contextlib.suppress(sqlite3.Error):
-            self._db.close()
+    def _decoded(self, decode: Any, raw: bytes) -> Any:
+        """A stored record's value; bytes that are no record are the store's failure."""
+        try:
+            return decode(raw)
+        except msgspec.MsgspecError:
+            raise self._damaged_record() from None

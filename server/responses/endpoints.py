@@ -37,13 +37,13 @@ from server.checks import check_auth
 from server.conversations.endpoints import no_such as no_such_conversation
 from server.conversations.endpoints import store_full as conversation_store_full
 from server.conversations.store import ConversationStoreFull
-from server.errors import APIError, as_api_error, invalid, not_found
+from server.errors import APIError, as_api_error, invalid, log, not_found
 from server.generation import TokenBudget, parse, submit
 from server.openai import records
 from server.openai.bodies import chat_logprobs, vllm_prompt_logprobs
 from server.responses import shapes
 from server.responses.shapes import ResponsesRequest, new_id
-from server.responses.store import StoredResponse, StoreFullError
+from server.responses.store import StoredResponse, StoreFullError, StoreUnavailable
 from server.state import ServerState
 from server.streaming import Choice, EventStreamResponse, sse, updates, wait
 
@@ -307,12 +307,18 @@ async def _conclude(
 
 async def _keep(state: ServerState, record: StoredResponse) -> None:
     """Store ``record``; the store makes room from the oldest responses (its module
-    docstring), so only a response larger than a tenant's whole share is refused."""
+    docstring), so only a response larger than a tenant's whole share is refused. A store
+    that cannot write (damaged, gone, a full disk) does not cost the client its answer,
+    generated already: it gets it with ``store: false`` (``record.body`` is the body it is
+    sent), as OpenAI shows a response it did not keep, and the log says why."""
     try:
         await asyncio.to_thread(state.responses.put, record)
     except StoreFullError as exc:
         raise invalid(f"store: {exc}; send store=false", param="store",
                       code="response_store_full") from None
+    except StoreUnavailable as exc:
+        log.warning("response %s answered but not stored: %s", record.id, exc)
+        record.body["store"] = False
 
 
 async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterator[bytes]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from engine import EngineConfig, build_parser, engine_options, run_command
 from server.config import LOOPBACK_HOSTS, ServerConfig
 from server.inspector.cli import add_inspect, run_inspect
+from server.responses.store import StoreUnavailable, default_store_path
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
@@ -178,12 +179,21 @@ def check_process_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--grace-period: must be >= 0, got {args.grace_period}")
 
 
+def store_error(args: argparse.Namespace, exc: StoreUnavailable) -> int:
+    """A store that cannot be opened, as one line naming the flag (exit code 2)."""
+    flag = args.response_store or str(default_store_path())
+    where = "" if exc.path == flag else f"{exc.path} (beside it): "
+    print(f"radixkv serve: --response-store {flag}: {where}{exc.reason}", file=sys.stderr)
+    return 2
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine import Engine
     from server.app import create_app
     from server.shutdown import ENDING_S, DrainingServer
+    from server.state import open_stores
 
     try:
         check_process_flags(args)
@@ -192,6 +202,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2
+    try:  # before minutes of loading a model: the stores' files open (then again, for use)
+        for store in open_stores(config):
+            store.close()
+    except StoreUnavailable as exc:
+        return store_error(args, exc)
     log_to_stderr(args.log_level)
     started = time.perf_counter()
     print("radixkv: loading model ...", file=sys.stderr, flush=True)
@@ -201,7 +216,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"radixkv: error: {exc}", file=sys.stderr)
         return 2
     names = config.names
-    app = create_app(engine, config)
+    try:
+        app = create_app(engine, config)
+    except StoreUnavailable as exc:  # changed since the check above
+        engine.close()
+        return store_error(args, exc)
     print(
         f"radixkv: {names[0]} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
         f"KV cache {engine.num_pages} pages x {engine.page_size} tokens, loaded in "

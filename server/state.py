@@ -23,7 +23,7 @@ from server.conversations.store import ConversationStore, store_path
 from server.errors import invalid
 from server.inspector.traffic import TrafficLog
 from server.metrics import ServerMetrics
-from server.responses.store import ResponseStore, default_store_path
+from server.responses.store import ResponseStore, StoreUnavailable, default_store_path
 from server.tokens import TokenTexts
 
 T = TypeVar("T")
@@ -50,13 +50,7 @@ class ServerState:
         # safe to share between threads.
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, "radixkv-tokenize")
         self._background: set[asyncio.Future[None]] = set()
-        # Stored conversations of /v1/responses (SQLite, durable unless ":memory:").
-        responses_path = config.response_store or default_store_path()
-        self.responses = ResponseStore(
-            responses_path, config.response_store_max, config.response_store_bytes,
-        )
-        # /v1/conversations: beside the responses, with the same tenancy.
-        self.conversations = ConversationStore(store_path(str(responses_path)))
+        self.responses, self.conversations = open_stores(config)
 
     async def encode(
         self,
@@ -117,3 +111,19 @@ class ServerState:
         task = asyncio.ensure_future(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def open_stores(config: ServerConfig) -> tuple[ResponseStore, ConversationStore]:
+    """The stored conversations of /v1/responses (SQLite, durable unless ":memory:") and
+    /v1/conversations' beside them, with the same tenancy. StoreUnavailable (the file and
+    why) when either cannot be opened: ``radixkv serve`` checks this before loading a model."""
+    responses_path = config.response_store or default_store_path()
+    responses = ResponseStore(
+        responses_path, config.response_store_max, config.response_store_bytes,
+    )
+    try:
+        conversations = ConversationStore(store_path(str(responses_path)))
+    except StoreUnavailable:
+        responses.close()
+        raise
+    return responses, conversations

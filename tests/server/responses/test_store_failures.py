@@ -2,13 +2,15 @@
 whose SQLite files this test damages for real (truncated, overwritten, removed, made
 immutable), nothing the files do kills the server; stored requests fail with a 503 naming the
 file while chat and ``store: false`` go on; an answer already generated reaches its client
-(marked ``store: false``); ``/health`` says which store is down."""
+(marked ``store: false``); ``/health`` says which store is down; a bad path at start is one
+line and exit code 2."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,6 +197,29 @@ def test_garbage_over_the_conversation_store_is_a_503_naming_it(tmp_path: Path) 
         assert health["status"] == "degraded"
         assert health["conversation_store"]["status"] == "unavailable"
         assert client.responses.create(model=MODEL, input="Hi", **GREEDY).output_text
+
+
+@pytest.mark.parametrize("kind", ["a directory", "below a regular file", "not a database"])
+def test_a_bad_store_path_at_start_is_one_line_and_exit_code_2(
+    tmp_path: Path, kind: str
+) -> None:
+    if kind == "a directory":
+        path = tmp_path
+    elif kind == "below a regular file":
+        (tmp_path / "file").write_text("x")
+        path = tmp_path / "file" / "responses.sqlite3"
+    else:
+        path = tmp_path / "responses.sqlite3"
+        path.write_bytes(b"these are not SQLite's bytes" * 100)
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--dtype", "float32", "--port", "0",
+         "--response-store", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"radixkv serve: --response-store {path}: "), done.stderr[-2000:]
 
 
 def test_a_store_an_older_server_left_in_wal_mode_opens_unmapped_with_its_responses(

@@ -35,7 +35,6 @@ from engine.api import EngineClient, RequestOutput, TokenLogprob, ToolCall
 from server import protocol
 from server.checks import check_auth
 from server.conversations.endpoints import no_such as no_such_conversation
-from server.conversations.endpoints import store_full as conversation_store_full
 from server.conversations.store import ConversationStoreFull
 from server.errors import APIError, as_api_error, invalid, log, not_found
 from server.generation import TokenBudget, parse, submit
@@ -294,15 +293,22 @@ async def _conclude(
     conversation_id = shapes.conversation_id(req)
     if conversation_id is None:
         return
+    # The answer is generated: a conversation that cannot take it (deleted while the turn
+    # ran, its tenant's bound reached, its file failing) does not cost the client the answer.
+    # It gets it without ``conversation`` (as a response kept nowhere), and the log says why.
+    why = None
     try:
         found = await asyncio.to_thread(
             state.conversations.finish_turn, conversation_id, turn.tenant,
             [*turn.new_items, *shapes.as_items(body["output"])], [*turn.ids, *output.token_ids],
         )
-    except ConversationStoreFull as exc:
-        raise conversation_store_full(exc, "conversation") from None
-    if not found:  # deleted while the turn ran
-        raise no_such_conversation(conversation_id, param="conversation")
+        why = None if found else "the conversation was deleted while the turn ran"
+    except (ConversationStoreFull, StoreUnavailable) as exc:
+        why = str(exc)
+    if why is not None:
+        log.warning("response %s answered but not added to conversation %s: %s",
+                    turn.id, conversation_id, why)
+        body["conversation"] = None
 
 
 async def _keep(state: ServerState, record: StoredResponse) -> None:

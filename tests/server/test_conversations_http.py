@@ -173,3 +173,21 @@ def test_a_turn_on_a_missing_or_foreign_conversation_is_refused_naming_it(client
                                 conversation=theirs.id, previous_response_id="resp_x",
                                 max_output_tokens=2, extra_body={"cache_salt": salt})
     assert refused.value.body["param"] == "conversation"
+
+
+def test_a_conversation_deleted_while_its_turn_runs_costs_the_client_no_answer(client) -> None:
+    conversation = client.conversations.create(items=[{"role": "user", "content": "Hi."}])
+    stream = client.responses.create(
+        model="SmolLM2-135M-Instruct", input="Count from one to fifty in words.",
+        conversation=conversation.id, max_output_tokens=48, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    final = None
+    for event in stream:
+        if event.type == "response.output_text.delta" and final is None:
+            client.conversations.delete(conversation.id)
+            final = False
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert final and final.output_text and final.usage.output_tokens == 48
+    assert final.conversation is None  # answered, but kept nowhere

@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from engine.api import Done, EngineDeadError, EngineStats, Event, Failed
 from engine.model.runner import ModelRunner
 from engine.model.structured import GrammarError
@@ -80,8 +82,19 @@ class EngineLoop:
         return self._inbox
 
     def stats(self) -> EngineStats:
-        """The snapshot published by the loop after its latest step (consistent, never torn)."""
-        return self._stats
+        """The snapshot published by the loop after its latest step (consistent, never torn),
+        with the remote KV tier's write counters as they are now: its writer thread sends
+        pages after the step that queued them, and an idle loop publishes no new snapshot."""
+        stats = self._stats
+        tiers = self._kv.tiers
+        remote = tiers.remote if tiers is not None else None
+        if remote is None:
+            return stats
+        live = dataclasses.replace(
+            stats.tiers, written_remote=remote.written, remote_dropped=remote.dropped,
+            remote_errors=remote.errors, remote_corrupt=remote.corrupt,
+        )
+        return msgspec.structs.replace(stats, tiers=live)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or running and the idle integrity check has passed.

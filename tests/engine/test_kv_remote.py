@@ -93,6 +93,8 @@ def test_a_second_engine_hits_what_the_first_computed_per_tenant(
         remote = first._loop._kv.tiers.remote
         assert remote.flush()  # the writes are asynchronous: wait for them here
         assert remote.written > 0 and remote.dropped == 0
+        # an idle engine's stats say what its writer has sent since the last step
+        assert first.stats().tiers.written_remote == remote.written
         second = make_engine(num_pages=128, kv_remote=url)
         stranger = second.generate(PROMPTS[1:2], greedy(NEW), namespace="tenant-b")[0]
         assert stranger.token_ids == reference[1] and stranger.cached_tokens == 0

@@ -44,6 +44,7 @@ class EngineCall(msgspec.Struct, frozen=True):
     stream: bool
     prompt: str = ""
     pin_ttl: float | None = None  # pin the finished conversation on its replica
+    unpin: bool = False  # instead of generating: end the pins on ``token_ids``' path
 
 
 Stream = Callable[[EngineCall], Any]  # an async iterator of Delta / RequestOutput
@@ -74,6 +75,7 @@ class RemoteEngine:
         self._stats = stats
         self._ids = itertools.count()
         self._running: dict[int, asyncio.Task[None]] = {}
+        self._unpinning: set[asyncio.Task[None]] = set()
         self._closed = False
 
     @property
@@ -132,6 +134,21 @@ class RemoteEngine:
         self._running[request_id] = task
         task.add_done_callback(lambda _: self._ended(request_id, sink))
         return handle
+
+    def unpin_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
+        """Sent as a call of its own, routed as a request on ``token_ids`` would be: to the
+        replica holding them (the one that pinned them, under the cache-aware router)."""
+        call = EngineCall(PromptIds(token_ids), None, namespace, False, unpin=True)
+        task = asyncio.get_running_loop().create_task(self._send(call))
+        self._unpinning.add(task)
+        task.add_done_callback(self._unpinning.discard)
+
+    async def _send(self, call: EngineCall) -> None:
+        try:
+            async for _ in self._stream(call):
+                pass
+        except Exception as exc:  # noqa: BLE001 - a pin left to its lifetime is no error
+            log.warning("unpinning on a replica failed: %r", exc)
 
     def _ended(self, request_id: int, sink: HandleSink) -> None:
         """A request's pump is done. One cancelled before it first ran (aborted at once)

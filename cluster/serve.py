@@ -179,7 +179,11 @@ class EngineReplica:
 
     async def generate(self, call: EngineCall) -> AsyncIterator[Any]:
         """The engine's events for ``call``: ``Delta``s (when streaming), then the output.
-        A cancelled stream (the client left) aborts the request."""
+        A cancelled stream (the client left) aborts the request. An ``unpin`` call ends the
+        pins on its tokens' path and yields nothing."""
+        if call.unpin:
+            self.engine.unpin_prefix(call.token_ids, call.namespace)
+            return
         handle = self.engine.submit(
             call.token_ids, call.params, call.namespace, call.stream, pin_ttl=call.pin_ttl
         )

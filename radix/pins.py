@@ -83,6 +83,22 @@ class PinTable:
         if pin.active:
             self._release(pin)
 
+    def drop_prefix(self, tokens: Sequence[int], namespace: str | None) -> int:
+        """End the pins of ``namespace`` on a finished request's ``tokens`` (prompt and
+        output): a pin on exactly the pages it cached, those of every token but the last
+        (whose KV was never computed), not a shorter one on their path (an earlier turn,
+        still stored, keeps its own). How many ended."""
+        computed = max(0, len(tokens) - 1)
+        whole = computed - computed % self.tree.page_size
+        ended = [
+            pin for pin in self.pins.values()
+            if pin.namespace == namespace and pin.length == whole
+            and self.tree.match_prefix(tokens[:whole], namespace).node is pin.node
+        ]
+        for pin in ended:
+            self._release(pin)
+        return len(ended)
+
     def expire(self, now: float) -> list[Pin]:
         """Release every pin whose lifetime ended by ``now`` (called every step: nothing to
         walk before the first lifetime ends)."""

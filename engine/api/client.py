@@ -90,6 +90,11 @@ class EngineClient(Protocol):
         it for that many seconds after it finishes (a conversation's next turn)."""
         ...
 
+    def unpin_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
+        """End the pins ``pin_ttl`` took on the path of ``token_ids`` in ``namespace`` (a
+        stored conversation deleted); returns at once."""
+        ...
+
     def num_waiting(self) -> int:
         """Requests submitted and not yet running: queued (what ``--max-queued`` counts)."""
         ...

@@ -60,6 +60,14 @@ class Unpin:
     pin: Pin
 
 
+@dataclass(frozen=True, eq=False)
+class UnpinPrefix:
+    """End the pins of ``namespace`` on the path of ``tokens`` (nothing if there are none)."""
+
+    tokens: list[int]
+    namespace: str | None
+
+
 @dataclass(eq=False)
 class Inspect(Order):
     """A snapshot of at most ``budget`` tree nodes for the inspector; ``answer`` gets it (an
@@ -68,6 +76,6 @@ class Inspect(Order):
     budget: int
 
 
-Command = Submit | Abort | PinPrefix | Unpin | Inspect
+Command = Submit | Abort | PinPrefix | Unpin | UnpinPrefix | Inspect
 # Commands that only end something: dropped quietly once the loop has stopped.
-ENDING = (Abort, Unpin)
+ENDING = (Abort, Unpin, UnpinPrefix)

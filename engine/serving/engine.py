@@ -27,7 +27,7 @@ from engine.api.handle import outputs_or_raise
 from engine.api.inspector import InspectSnapshot
 from engine.config import EngineConfig
 from engine.serving.assembly import assemble
-from engine.serving.commands import Inspect, PinPrefix, Submit, Unpin
+from engine.serving.commands import Inspect, PinPrefix, Submit, Unpin, UnpinPrefix
 from engine.serving.inputs import check_params, is_conversation, split_prompts
 from engine.serving.job import Job
 from engine.serving.tools import CONVERSATIONS_ONLY, ToolFormat, ToolUse, tool_format_for
@@ -184,6 +184,11 @@ class Engine:
         if pin is None or not pin.active:  # nothing cached, or alone over the budget
             return PrefixPin(0, 0.0, None)
         return PrefixPin(pin.length, pin.expires, lambda: self._inbox.post(Unpin(pin)))
+
+    def unpin_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
+        """End the pins of ``namespace`` on the path of ``token_ids`` (those ``submit``'s
+        ``pin_ttl`` took for a conversation now deleted); returns at once."""
+        self._inbox.post(UnpinPrefix(list(token_ids), namespace))
 
     def generate(
         self,

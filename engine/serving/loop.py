@@ -33,7 +33,16 @@ import msgspec
 from engine.api import Done, EngineDeadError, EngineStats, Event, Failed
 from engine.model.runner import ModelRunner
 from engine.model.structured import GrammarError
-from engine.serving.commands import Abort, Command, Inspect, Order, PinPrefix, Submit, Unpin
+from engine.serving.commands import (
+    Abort,
+    Command,
+    Inspect,
+    Order,
+    PinPrefix,
+    Submit,
+    Unpin,
+    UnpinPrefix,
+)
 from engine.serving.inbox import Inbox
 from engine.serving.inspector import LoopInspector
 from engine.serving.job import Job
@@ -204,6 +213,9 @@ class EngineLoop:
                 self._pin(command)
             case Unpin(pin):
                 self._kv.pins.drop(pin)
+            case UnpinPrefix(tokens, namespace):
+                if self._kv.pins.drop_prefix(tokens, namespace):
+                    self._stats = self._snapshot()  # callers see the pins gone
             case Inspect():
                 self._inspector.answer(command)
 

@@ -73,9 +73,13 @@ async def update_conversation(state: ServerState, request: Request) -> Response:
 
 async def delete_conversation(state: ServerState, request: Request) -> Response:
     check_auth(request, state.config.api_key)
-    conversation_id = _id(request)
-    if not await asyncio.to_thread(state.conversations.delete, conversation_id, _salt(request)):
+    conversation_id, tenant = _id(request), _salt(request)
+    conversations = state.conversations
+    pinned = await asyncio.to_thread(conversations.last_turn_ids, conversation_id, tenant)
+    if not await asyncio.to_thread(conversations.delete, conversation_id, tenant):
         raise no_such(conversation_id)
+    if pinned:  # its last turn's tokens need not stay warm for a next turn any more
+        state.engine.unpin_prefix(pinned, tenant or None)
     return JSONResponse({"id": conversation_id, "object": "conversation.deleted",
                          "deleted": True})
 

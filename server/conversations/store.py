@@ -250,6 +250,15 @@ class ConversationStore(StoreFile):
             ).fetchone()
         return kept.token_ids if (count, last) == (kept.items, kept.last_item) else None
 
+    def last_turn_ids(self, conversation_id: str, tenant: str) -> list[int] | None:
+        """The token ids of the last turn run on the conversation (what it left pinned),
+        whether or not items changed since; None without one."""
+        with self._using():
+            row = self._row(conversation_id, tenant, "continuation")
+            if row is None or row[0] is None:
+                return None
+            return self._decoded(self._continuation, row[0]).token_ids
+
     def finish_turn(
         self, conversation_id: str, tenant: str, items: Sequence[dict[str, Any]],
         token_ids: list[int],

@@ -262,9 +262,13 @@ async def list_input_items(state: ServerState, request: Request) -> Response:
 
 async def delete_response(state: ServerState, request: Request) -> Response:
     check_auth(request, state.config.api_key)
-    response_id = request.path_params["response_id"]
-    if not await asyncio.to_thread(state.responses.delete, response_id, _tenant(request)):
+    response_id, tenant = request.path_params["response_id"], _tenant(request)
+    stored = await asyncio.to_thread(state.responses.get, response_id, tenant)
+    if stored is None or not await asyncio.to_thread(state.responses.delete, response_id, tenant):
         raise _no_such(response_id)
+    # its tokens need not stay warm for a next turn any more (a follow-up stored since holds
+    # its own pin, deeper on the same path, which stays)
+    state.engine.unpin_prefix(stored.token_ids, tenant or None)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 

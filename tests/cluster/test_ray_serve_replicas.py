@@ -164,7 +164,9 @@ def test_both_replicas_serve_and_a_shared_prefix_stays_on_one(
     assert all(s["counters"]["requests"] > 0 for s in replicas(cluster_url).values())
 
 
-def test_stored_conversations_continue_on_the_replica_that_holds_them(client: Any) -> None:
+def test_stored_conversations_continue_on_the_replica_that_holds_them(
+    client: Any, cluster_url: str
+) -> None:
     """/v1/responses in front of replicas: the front keeps the conversations; each follow-up
     (previous_response_id) starts with its conversation's tokens, so the router sends it to
     the replica that ran the earlier turns (and pinned them there), and it hits."""
@@ -177,6 +179,7 @@ def test_stored_conversations_continue_on_the_replica_that_holds_them(client: An
         )
         talks.append(first)
     time.sleep(0.5)  # the replicas' KV events reach the router
+    follows = []
     for first in talks:
         follow = client.responses.create(
             input="And the price?", previous_response_id=first.id, max_output_tokens=4,
@@ -184,6 +187,21 @@ def test_stored_conversations_continue_on_the_replica_that_holds_them(client: An
         )
         held = (first.usage.input_tokens + first.usage.output_tokens - 1) // 16 * 16
         assert follow.usage.input_tokens_details.cached_tokens >= held, (first.usage, follow.usage)
+        follows.append(follow)
+
+    # Deleting a stored turn ends its pin on the replica that holds it (the unpin is routed
+    # by the turn's tokens, as the turn was), not at its TTL.
+    def pins() -> int:
+        return sum(s["pages"]["pins"] for s in replicas(cluster_url).values())
+
+    time.sleep(1.0)  # the replicas report their stats every 0.5 s
+    before = pins()
+    for follow in follows:
+        client.responses.delete(follow.id, extra_query={"cache_salt": tenant})
+    deadline = time.monotonic() + 15
+    while pins() > before - len(follows) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert pins() == before - len(follows), (before, pins())
 
 
 def test_bad_input_is_a_400_naming_the_field(cluster_url: str) -> None:

@@ -71,6 +71,26 @@ def test_a_request_goes_out_as_token_ids_with_its_text(front: Any) -> None:
     assert call.namespace == "tenant" and call.prompt == "Hello there"
 
 
+def test_an_unpin_goes_out_as_a_call_of_its_own_routed_by_its_tokens(front: Any) -> None:
+    sent: list[EngineCall] = []
+
+    async def stream(call: EngineCall) -> Any:
+        sent.append(call)
+        return
+        yield
+
+    remote = RemoteEngine(front, stream, lambda: None)
+
+    async def run() -> None:
+        remote.unpin_prefix([5, 6, 7, 8], "tenant")
+        while remote._unpinning:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    [call] = sent
+    assert call.unpin and list(call.token_ids) == [5, 6, 7, 8] and call.namespace == "tenant"
+
+
 def test_a_replica_failure_reaches_the_client_without_ray_internals(front: Any) -> None:
     """A replica that dies mid-request (Ray raises an error naming pids, node addresses and
     actor ids) is a plain retryable failure to the client; a ValueError from the replica

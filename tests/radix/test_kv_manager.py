@@ -290,3 +290,18 @@ def test_pins_are_per_namespace_and_need_something_cached() -> None:
             kv.pins.pin([1, 2, 3, 4], "a", bad, 0.0)
     with pytest.raises(ValueError, match="max_pinned_fraction"):
         KVManager(num_pages=8, page_size=2, max_pinned_fraction=1.5)
+
+
+def test_dropping_a_finished_requests_pin_leaves_the_shorter_pins_on_its_path() -> None:
+    kv = KVManager(num_pages=16, page_size=2)
+    first = [1, 2, 3, 4, 5]  # a turn: its pin holds the pages of all but its last token
+    second = first + [6, 7, 8, 9]
+    _cached(kv, second[:8], namespace="t")
+    earlier = kv.pins.pin(first, "t", 60.0, 0.0)
+    later = kv.pins.pin(second, "t", 60.0, 0.0)
+    assert earlier is not None and later is not None and (earlier.length, later.length) == (4, 8)
+    assert kv.pins.drop_prefix(second, "other") == 0  # another tenant's tokens end nothing
+    assert kv.pins.drop_prefix(second, "t") == 1
+    assert earlier.active and not later.active
+    assert kv.pins.drop_prefix(first, "t") == 1 and not earlier.active
+    kv.check([])

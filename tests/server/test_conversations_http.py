@@ -191,3 +191,34 @@ def test_a_conversation_deleted_while_its_turn_runs_costs_the_client_no_answer(c
             final = event.response
     assert final and final.output_text and final.usage.output_tokens == 48
     assert final.conversation is None  # answered, but kept nowhere
+
+
+def _pins(server: ServerProcess) -> int:
+    import re
+
+    import httpx
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return int(float(re.search(r"^radixkv:kv_pins\{[^}]*\} (\S+)$", text, re.M).group(1)))
+
+
+def test_deleting_a_stored_turn_or_a_conversation_ends_its_pin(server, client) -> None:
+    import time
+
+    salt = uuid.uuid4().hex
+    stored = client.responses.create(
+        model="SmolLM2-135M-Instruct", input="Tell me about maps of Lisbon.",
+        max_output_tokens=6, temperature=0, extra_body={"cache_salt": salt},
+    )
+    conversation = client.conversations.create(items=[], extra_body={"cache_salt": salt})
+    client.responses.create(
+        model="SmolLM2-135M-Instruct", input="And of Porto?", conversation=conversation.id,
+        max_output_tokens=6, temperature=0, extra_body={"cache_salt": salt},
+    )
+    before = _pins(server)
+    client.responses.delete(stored.id, extra_query={"cache_salt": salt})
+    client.conversations.delete(conversation.id, extra_query={"cache_salt": salt})
+    deadline = time.monotonic() + 10
+    while _pins(server) > before - 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pins(server) == before - 2  # both pins ended now, not at their TTL

@@ -19,6 +19,7 @@ from server import protocol
 from server.checks import check_auth, read_body
 from server.conversations.store import Conversation, ConversationStoreFull
 from server.errors import APIError, invalid, not_found
+from server.listing import page_body, page_query
 from server.responses import shapes
 from server.state import ServerState
 
@@ -89,34 +90,25 @@ async def add_items(state: ServerState, request: Request) -> Response:
     items = checked_items(req.items)
     if not await _write(state.conversations.add_items, _id(request), _salt(request, req), items):
         raise no_such(_id(request))
-    return JSONResponse(_page(items, has_more=False))
+    return JSONResponse(page_body(items, has_more=False))
 
 
 async def list_items(state: ServerState, request: Request) -> Response:
-    """OpenAI's cursor page: ``order`` desc by default, ``limit`` 1-100 (20), ``after``."""
+    """OpenAI's cursor page (``server.listing``)."""
     check_auth(request, state.config.api_key)
-    query = request.query_params
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise invalid(f"order: expected 'asc' or 'desc', got {order!r}", param="order")
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise invalid(f"limit: expected an integer in [1, 100], got {query.get('limit')!r}",
-                      param="limit")
-    after = query.get("after")
+    asked = page_query(request)
     try:
         found = await asyncio.to_thread(
-            state.conversations.page, _id(request), _salt(request), order, after, limit
+            state.conversations.page, _id(request), _salt(request), asked.order, asked.after,
+            asked.limit,
         )
     except KeyError:
-        raise invalid(f"after: no item {after!r} in this conversation", param="after") from None
+        raise invalid(f"after: no item {asked.after!r} in this conversation",
+                      param="after") from None
     if found is None:
         raise no_such(_id(request))
     page, more = found
-    return JSONResponse(_page(page, has_more=more))
+    return JSONResponse(page_body(page, has_more=more))
 
 
 async def get_item(state: ServerState, request: Request) -> Response:
@@ -125,7 +117,7 @@ async def get_item(state: ServerState, request: Request) -> Response:
     conversation_id, item_id = _id(request), request.path_params["item_id"]
     item = await asyncio.to_thread(conversations.item, conversation_id, _salt(request), item_id)
     if item is None:
-        raise _no_item(state, request)
+        raise _no_item(request)
     return JSONResponse(item)
 
 
@@ -135,7 +127,7 @@ async def delete_item(state: ServerState, request: Request) -> Response:
     conversations, tenant = state.conversations, _salt(request)
     conversation_id, item_id = _id(request), request.path_params["item_id"]
     if not await asyncio.to_thread(conversations.delete_item, conversation_id, tenant, item_id):
-        raise _no_item(state, request)
+        raise _no_item(request)
     conversation = await asyncio.to_thread(conversations.get, conversation_id, tenant)
     if conversation is None:  # deleted in between
         raise no_such(conversation_id)
@@ -196,13 +188,7 @@ def _salt(request: Request, body: Any = None) -> str:
     return salt or request.query_params.get("cache_salt") or ""
 
 
-def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {"object": "list", "data": items, "has_more": has_more,
-            "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None}
-
-
-def _no_item(state: ServerState, request: Request) -> APIError:
+def _no_item(request: Request) -> APIError:
     item_id = request.path_params["item_id"]
     return not_found(
         f"item {item_id!r}: no such item in conversation {_id(request)!r} (or no such "

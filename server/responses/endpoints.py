@@ -38,6 +38,7 @@ from server.conversations.endpoints import no_such as no_such_conversation
 from server.conversations.store import ConversationStoreFull
 from server.errors import APIError, as_api_error, invalid, log, not_found
 from server.generation import TokenBudget, parse, submit
+from server.listing import page_body, page_query
 from server.openai import records
 from server.openai.bodies import chat_logprobs, vllm_prompt_logprobs
 from server.responses import shapes
@@ -235,29 +236,15 @@ async def list_input_items(state: ServerState, request: Request) -> Response:
     stored = await asyncio.to_thread(state.responses.get, response_id, _tenant(request))
     if stored is None:
         raise _no_such(response_id)
-    query = request.query_params
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise invalid(f"order: expected 'asc' or 'desc', got {order!r}", param="order")
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise invalid(f"limit: expected an integer in [1, 100], got {query.get('limit')!r}",
-                      param="limit")
-    items = stored.items if order == "asc" else stored.items[::-1]
-    after = query.get("after")
+    asked = page_query(request)
+    items = stored.items if asked.order == "asc" else stored.items[::-1]
+    after = asked.after
     if after is not None:
         at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
         if at is None:
             raise invalid(f"after: no item {after!r} in this response's input", param="after")
         items = items[at + 1 :]
-    page = items[:limit]
-    return JSONResponse({
-        "object": "list", "data": page, "has_more": len(items) > limit,
-        "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
-    })
+    return JSONResponse(page_body(items[: asked.limit], len(items) > asked.limit))
 
 
 async def delete_response(state: ServerState, request: Request) -> Response:
@@ -293,7 +280,8 @@ async def _conclude(
         return
     req = turn.req
     if req.store:
-        await _keep(state, turn.record(output, body))
+        if not await _keep(state, turn.record(output, body)):
+            body["store"] = False  # answered, not kept: as OpenAI shows such a response
     conversation_id = shapes.conversation_id(req)
     if conversation_id is None:
         return
@@ -315,12 +303,11 @@ async def _conclude(
         body["conversation"] = None
 
 
-async def _keep(state: ServerState, record: StoredResponse) -> None:
+async def _keep(state: ServerState, record: StoredResponse) -> bool:
     """Store ``record``; the store makes room from the oldest responses (its module
-    docstring), so only a response larger than a tenant's whole share is refused. A store
-    that cannot write (damaged, gone, a full disk) does not cost the client its answer,
-    generated already: it gets it with ``store: false`` (``record.body`` is the body it is
-    sent), as OpenAI shows a response it did not keep, and the log says why."""
+    docstring), so only a response larger than a tenant's whole share is refused. False
+    when the store cannot write (damaged, gone, a full disk): that does not cost the client
+    its answer, generated already, and the log says why."""
     try:
         await asyncio.to_thread(state.responses.put, record)
     except StoreFullError as exc:
@@ -328,7 +315,8 @@ async def _keep(state: ServerState, record: StoredResponse) -> None:
                       code="response_store_full") from None
     except StoreUnavailable as exc:
         log.warning("response %s answered but not stored: %s", record.id, exc)
-        record.body["store"] = False
+        return False
+    return True
 
 
 async def _stream(state: ServerState, turn: Turn, choice: Choice) -> AsyncIterator[bytes]:

@@ -50,15 +50,20 @@ def test_bad_requests_are_refused_before_any_replica_sees_them(front: Any) -> No
     allowed._prompts.prepare("hi", SamplingParams(max_new_tokens=4, priority=-5), None, 64)
 
 
-def test_a_request_goes_out_as_token_ids_with_its_text(front: Any) -> None:
-    sent: list[EngineCall] = []
+def _recording(sent: list[EngineCall]) -> Any:
+    """A replica stream that keeps each call and answers nothing."""
 
     async def stream(call: EngineCall) -> Any:
         sent.append(call)
         return
         yield
 
-    remote = RemoteEngine(front, stream, lambda: None)
+    return stream
+
+
+def test_a_request_goes_out_as_token_ids_with_its_text(front: Any) -> None:
+    sent: list[EngineCall] = []
+    remote = RemoteEngine(front, _recording(sent), lambda: None)
 
     async def run() -> None:
         handle = remote.submit("Hello there", SamplingParams(max_new_tokens=3), "tenant")
@@ -73,13 +78,7 @@ def test_a_request_goes_out_as_token_ids_with_its_text(front: Any) -> None:
 
 def test_an_unpin_goes_out_as_a_call_of_its_own_routed_by_its_tokens(front: Any) -> None:
     sent: list[EngineCall] = []
-
-    async def stream(call: EngineCall) -> Any:
-        sent.append(call)
-        return
-        yield
-
-    remote = RemoteEngine(front, stream, lambda: None)
+    remote = RemoteEngine(front, _recording(sent), lambda: None)
 
     async def run() -> None:
         remote.unpin_prefix([5, 6, 7, 8], "tenant")

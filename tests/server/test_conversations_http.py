@@ -5,17 +5,15 @@ lifecycle as OpenAI has it, per tenant, bad items a 400 naming the item, and the
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 import uuid
 
+import httpx
 import pytest
 from server_process import ServerProcess
 
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> object:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_a_conversation_is_created_listed_updated_and_deleted_as_openai_does(client) -> None:
@@ -194,17 +192,11 @@ def test_a_conversation_deleted_while_its_turn_runs_costs_the_client_no_answer(c
 
 
 def _pins(server: ServerProcess) -> int:
-    import re
-
-    import httpx
-
     text = httpx.get(server.url + "/metrics", timeout=10).text
     return int(float(re.search(r"^radixkv:kv_pins\{[^}]*\} (\S+)$", text, re.M).group(1)))
 
 
 def test_deleting_a_stored_turn_or_a_conversation_ends_its_pin(server, client) -> None:
-    import time
-
     salt = uuid.uuid4().hex
     stored = client.responses.create(
         model="SmolLM2-135M-Instruct", input="Tell me about maps of Lisbon.",

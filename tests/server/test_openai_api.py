@@ -43,11 +43,6 @@ def salt() -> str:
 
 
 @pytest.fixture(scope="module")
-def client(server_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def local(loaded_fp32: Any) -> Any:
     """An in-process engine on the same model and dtype: the reference for HTTP answers."""
     with Engine(model=loaded_fp32, num_pages=256) as eng:

@@ -24,11 +24,6 @@ PERSON = {
 ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
 
 
-@pytest.fixture(scope="module")
-def client(server_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0)
-
-
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 

@@ -35,11 +35,6 @@ SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
 
-@pytest.fixture(scope="module")
-def client(server_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0)
-
-
 def check_calls(message) -> None:
     assert message.content is None and message.tool_calls
     for call in message.tool_calls:

@@ -94,16 +94,19 @@ def free_port() -> int:
 
 
 class ReplicaServer:
-    """``radixkv serve --replicas N`` as a subprocess on a free loopback port."""
+    """``radixkv serve --replicas N`` (``module`` ``server.cli``: one engine, no Ray) as a
+    subprocess on a free loopback port."""
 
-    def __init__(self, args: list[str], ready_timeout: float = 300.0) -> None:
+    def __init__(
+        self, args: list[str], ready_timeout: float = 300.0, module: str = "cluster.cli"
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="radixkv-replicas-", suffix=".log")
         command = [
             sys.executable,
             "-m",
-            "cluster.cli",
+            module,
             "serve",
             "--port",
             str(self.port),

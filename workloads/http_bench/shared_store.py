@@ -25,63 +25,32 @@ from typing import Any
 import httpx
 
 from workloads import redis_server
-from workloads.http_bench.replicas import free_port
+from workloads.http_bench.replicas import ReplicaServer
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-class Server:
-    """``radixkv serve`` on a free loopback port."""
-
-    def __init__(self, flags: Sequence[str]) -> None:
-        import subprocess
-        import sys
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._dir = tempfile.TemporaryDirectory(prefix="radixkv-shared-store-")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port),
-             "--log-level", "warning", "--response-store",
-             str(Path(self._dir.name) / "responses.sqlite3"), *flags],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("the server did not start")
-
-    def ask(self, prompt: str) -> dict[str, Any]:
-        """One greedy streamed completion: its text, time to first token, cached tokens."""
-        started = time.perf_counter()
-        first = None
-        text, usage = "", {}
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=300) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):
-                    if first is None:
-                        first = time.perf_counter() - started
-                    text += chunk["choices"][0].get("text", "")
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-        details = usage.get("prompt_tokens_details") or {}
-        return {"text": text, "ttft_s": first, "cached": details.get("cached_tokens", 0),
-                "prompt": usage.get("prompt_tokens", 0)}
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(60)
-        self._dir.cleanup()
+def ask(url: str, prompt: str) -> dict[str, Any]:
+    """One greedy streamed completion: its text, time to first token, cached tokens."""
+    started = time.perf_counter()
+    first = None
+    text, usage = "", {}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                if first is None:
+                    first = time.perf_counter() - started
+                text += chunk["choices"][0].get("text", "")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    return {"text": text, "ttft_s": first, "cached": details.get("cached_tokens", 0),
+            "prompt": usage.get("prompt_tokens", 0)}
 
 
 def document(tokens: int) -> str:
@@ -101,17 +70,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for round_ in range(args.rounds):
         for shared in (False, True):
             with contextlib.ExitStack() as stack:
-                flags = ["--num-pages", "512"]
+                flags = ["--num-pages", "512", "--response-store", ":memory:"]
                 if shared:
                     folder = stack.enter_context(tempfile.TemporaryDirectory())
                     url, _ = stack.enter_context(redis_server.redis_server(Path(folder)))
                     flags += ["--kv-remote", url]
-                a, b = Server(flags), Server(flags)
+                a, b = (ReplicaServer(flags, module="server.cli") for _ in range(2))
                 try:
                     prompt = document(args.doc_tokens) + "\nWhich depot did shipment 3 leave?"
-                    seen = a.ask(prompt)
+                    seen = ask(a.url, prompt)
                     time.sleep(1.0)  # the shared store's writes are asynchronous
-                    first = b.ask(prompt)
+                    first = ask(b.url, prompt)
                     rows.append({"round": round_, "shared": shared, "a_ttft_s": seen["ttft_s"],
                                  "b_ttft_s": first["ttft_s"], "b_cached": first["cached"],
                                  "prompt": first["prompt"], "same": seen["text"] == first["text"]})

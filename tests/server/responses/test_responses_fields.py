@@ -17,24 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
-
-GREEDY = {"temperature": 0.0}
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather now in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+from responses_cases import GREEDY, WEATHER
 
 
 def post(client: openai.OpenAI, body: dict[str, Any]) -> dict[str, Any]:

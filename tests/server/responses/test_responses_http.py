@@ -12,25 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from responses_cases import GREEDY, WEATHER
 from server_process import ServerProcess
-
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather now in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
-GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    """The session's server (its response store is a file of its own, see ServerProcess)."""
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_a_response_carries_its_text_usage_and_id_and_can_be_read_back(client) -> None:
